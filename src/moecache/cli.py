@@ -1,0 +1,40 @@
+"""`moecache` command: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {
+    "synth": ("moecache.synth", "write a synthetic MoE GGUF (or report its routing statistics)"),
+    "bench": ("moecache.bench", "run benchmark scenarios against moecache-server"),
+    "build": ("moecache.build.__main__", "the patch-series orchestrator (fetch, apply, edit, export, verify, status)"),
+    "server": ("moecache.server", "run moecache-server (same as the moecache-server command)"),
+    "info": ("moecache.info", "show the build, the devices and the system info"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: moecache <command> [options]", "", "commands:"]
+    for name, (_, text) in SUBCOMMANDS.items():
+        lines.append(f"  {name:<8} {text}")
+    lines += ["", "Run `moecache <command> --help` for the options of a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"moecache: unknown command '{name}'.\n\n{usage()}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Where the built native pieces live.
+
+In a wheel: moecache/bin (llama-server, llama-bench, llama-quantize, test-backend-ops),
+moecache/lib (shared libraries), moecache/data (tokenizer vocab files taken from the upstream tree).
+In a developer checkout built with `pip install -e .`, the same folders are found inside the
+scikit-build build directory. MOECACHE_BIN_DIR / MOECACHE_DATA_DIR override both.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent.parent  # only meaningful in a source checkout
+
+
+def _build_stage_dirs() -> list[Path]:
+    """Staging folders of developer builds (build/<tag>/stage), newest first."""
+    build = REPO_ROOT / "build"
+    if not build.is_dir():
+        return []
+    stages = [p / "stage" for p in build.iterdir() if (p / "stage").is_dir()]
+    return sorted(stages, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def bin_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("MOECACHE_BIN_DIR"):
+        dirs.append(Path(os.environ["MOECACHE_BIN_DIR"]))
+    dirs.append(PACKAGE_DIR / "bin")
+    dirs.extend(s / "bin" for s in _build_stage_dirs())
+    return dirs
+
+
+def binary(name: str) -> Path:
+    """Path of a built tool (llama-server, llama-quantize, ...); a clear error when missing."""
+    for d in bin_dirs():
+        p = d / name
+        if p.is_file() and os.access(p, os.X_OK):
+            return p
+    raise FileNotFoundError(
+        f"{name} was not found (looked in: {', '.join(str(d) for d in bin_dirs())}). "
+        "Build moecache first: `pip install .` (or `pip install -e . --no-build-isolation` in a checkout), "
+        "or set MOECACHE_BIN_DIR to the folder that holds it."
+    )
+
+
+def data_file(name: str) -> Path:
+    """A data file installed with the package (e.g. ggml-vocab-qwen2.gguf)."""
+    dirs = []
+    if os.environ.get("MOECACHE_DATA_DIR"):
+        dirs.append(Path(os.environ["MOECACHE_DATA_DIR"]))
+    dirs.append(PACKAGE_DIR / "data")
+    dirs.extend(s / "data" for s in _build_stage_dirs())
+    dirs.append(REPO_ROOT / "vendor" / "llama.cpp" / "models")
+    for d in dirs:
+        p = d / name
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"{name} was not found (looked in: {', '.join(str(d) for d in dirs)}). "
+        "It is installed with moecache from the pinned llama.cpp tree: reinstall moecache, "
+        "or set MOECACHE_DATA_DIR to a folder that holds it."
+    )
+
+
+def vocab_file(tokenizer: str) -> Path:
+    """The upstream vocab GGUF of a tokenizer family ('qwen2', 'llama-bpe', ...)."""
+    return data_file(f"ggml-vocab-{tokenizer}.gguf")
