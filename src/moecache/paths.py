@@ -1,9 +1,9 @@
 """Where the built native pieces live.
 
-In a wheel: moecache/bin (llama-server, llama-bench, llama-quantize, test-backend-ops),
-moecache/lib (shared libraries), moecache/data (tokenizer vocab files taken from the upstream tree).
-In a developer checkout built with `pip install -e .`, the same folders are found inside the
-scikit-build build directory. MOECACHE_BIN_DIR / MOECACHE_DATA_DIR override both.
+In a wheel: moecache/bin (llama-server, llama-bench, llama-quantize, test-backend-ops, and the shared
+libraries they load through $ORIGIN), moecache/data (tokenizer vocab files taken from the upstream tree).
+In a developer checkout built with `pip install -e .`, bin/ and data/ are found inside the
+scikit-build build directory (build/<tag>). MOECACHE_BIN_DIR / MOECACHE_DATA_DIR override both.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ REPO_ROOT = PACKAGE_DIR.parent.parent  # only meaningful in a source checkout
 
 
 def _build_stage_dirs() -> list[Path]:
-    """Staging folders of developer builds (build/<tag>/stage), newest first."""
+    """Developer build folders (build/<tag>, holding bin/ and data/), newest first."""
     build = REPO_ROOT / "build"
     if not build.is_dir():
         return []
-    stages = [p / "stage" for p in build.iterdir() if (p / "stage").is_dir()]
-    return sorted(stages, key=lambda p: p.stat().st_mtime, reverse=True)
+    stages = [p for p in build.iterdir() if (p / "bin").is_dir()]
+    return sorted(stages, key=lambda p: (p / "bin").stat().st_mtime, reverse=True)
 
 
 def bin_dirs() -> list[Path]:

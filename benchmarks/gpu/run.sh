@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
+#
+#   benchmarks/gpu/run.sh [build] [test] [model] [bench SCENARIO...]   (default: build test model bench)
+#
+# Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
+# .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
+# $OUT (or benchmarks/results/gpu-logs when OUT is unset). Each phase can run in its own call:
+# the build folder and the synthetic model are reused while the machine is kept.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+repo=$(pwd)
+out=${OUT:-$repo/benchmarks/results/gpu-logs}
+mkdir -p "$out"
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(build test model bench)
+jobs=${JOBS:-$(nproc)}
+models=${MOECACHE_MODELS:-/tmp/moecache-models}
+export PYTHONUNBUFFERED=1
+
+if [ -z "${MOECACHE_LLAMA_SRC:-}" ] && [ -f .carry/llama-src.tar.gz ]; then
+    export MOECACHE_LLAMA_SRC=/tmp/moecache-llama-src
+    if [ ! -f "$MOECACHE_LLAMA_SRC/CMakeLists.txt" ]; then
+        mkdir -p "$MOECACHE_LLAMA_SRC"
+        tar -xzf .carry/llama-src.tar.gz -C "$MOECACHE_LLAMA_SRC"
+    fi
+    export MOECACHE_DATA_DIR=$MOECACHE_LLAMA_SRC/models
+fi
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/run.log"; }
+
+i=0
+while [ $i -lt ${#phases[@]} ]; do
+    phase=${phases[$i]}; i=$((i + 1))
+    case "$phase" in
+    build)
+        log "build: CUDA sm_90, $jobs jobs"
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/run.log" || true
+        t0=$(date +%s)
+        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=on ${CMAKE_ARGS:-}" \
+        CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
+            python3 -m pip install --no-build-isolation --no-deps -v . > "$out/build.log" 2>&1 \
+            || { tail -50 "$out/build.log"; exit 1; }
+        log "build: done in $(( $(date +%s) - t0 )) s"
+        python3 -m moecache info | tee -a "$out/run.log"
+        ;;
+    test)
+        log "test: GPU-marked tests"
+        (cd /tmp && python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider 2>&1) | tee "$out/gpu-tests.log" | tail -15
+        ;;
+    model)
+        mkdir -p "$models"
+        if [ ! -f "$models/qwen3-30b-a3b-q4_0.gguf" ]; then
+            log "model: synth qwen3-30b-a3b q4_0"
+            t0=$(date +%s)
+            python3 -m moecache synth "$models/qwen3-30b-a3b-q4_0.gguf" --preset qwen3-30b-a3b --quant q4_0 --seed 0 2>&1 | tail -3
+            log "model: made in $(( $(date +%s) - t0 )) s"
+        fi
+        ;;
+    bench)
+        scenarios=()
+        while [ $i -lt ${#phases[@]} ] && [[ ${phases[$i]} == *.toml ]]; do scenarios+=("${phases[$i]}"); i=$((i + 1)); done
+        [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)
+        for s in "${scenarios[@]}"; do
+            log "bench: $s"
+            MOECACHE_MODELS=$models python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
+        done
+        ;;
+    *) echo "unknown phase '$phase' (build, test, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    esac
+done
+log "all phases done"

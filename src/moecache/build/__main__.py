@@ -1,0 +1,66 @@
+"""moecache-build: the patch-series orchestrator.
+
+  fetch    download and verify the pinned upstream (cached), extract the pristine tree
+  apply    vendor/llama.cpp = pristine tree + every patch in patches/series
+  edit     vendor/llama.cpp as a git repo: tag 'upstream' + one commit per patch
+  export   write the edit repo's commits back as patches/NNNN-topic.patch + series
+  verify   apply the series from scratch and check it reproduces vendor/llama.cpp
+  status   what is pinned, what the series holds, what state vendor/llama.cpp is in
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import series, upstream
+from .upstream import BuildError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moecache-build", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repo", help="the moecache checkout (default: found from the current folder, or MOECACHE_REPO)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
+    sub = p.add_subparsers(dest="command", metavar="command", required=True)
+    sub.add_parser("fetch", help="download + verify the pinned upstream and extract the pristine tree")
+    a = sub.add_parser("apply", help="fresh vendor/llama.cpp with every patch in series applied")
+    a.add_argument("--force", action="store_true", help="discard an edit repository's unexported work")
+    a.add_argument("--if-needed", action="store_true",
+                   help="do nothing when vendor/llama.cpp already matches the series (used by the build)")
+    e = sub.add_parser("edit", help="make vendor/llama.cpp a git repo with one commit per patch")
+    e.add_argument("--force", action="store_true", help="recreate it even if it exists (discards unexported work)")
+    sub.add_parser("export", help="write the edit repo's commits back to patches/ and series")
+    sub.add_parser("verify", help="check that the series applied from scratch reproduces vendor/llama.cpp")
+    sub.add_parser("status", help="show the pin, the series and the state of vendor/llama.cpp")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "fetch":
+            tree = upstream.pristine_tree(quiet=args.quiet)
+            if not args.quiet:
+                print(f"moecache-build: pristine llama.cpp {upstream.PIN.commit} at {tree}")
+            return 0
+        repo = series.Repo(Path(args.repo).resolve()) if args.repo else series.find_repo()
+        if args.command == "apply":
+            series.apply(repo, force=args.force, if_needed=args.if_needed, quiet=args.quiet)
+        elif args.command == "edit":
+            series.edit(repo, force=args.force, quiet=args.quiet)
+        elif args.command == "export":
+            series.export(repo, quiet=args.quiet)
+        elif args.command == "verify":
+            series.verify(repo, quiet=args.quiet)
+        elif args.command == "status":
+            print(series.status(repo))
+        return 0
+    except BuildError as e:
+        print(f"moecache-build: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
