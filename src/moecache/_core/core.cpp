@@ -1,0 +1,876 @@
+// moecache._core: thin pybind11 bindings over llama.h and ggml-backend.h.
+//
+// The Python wrapper (moecache/api.py) validates arguments and turns the results into Python
+// objects; this file only loads models, makes contexts, runs the decode loops with the GIL
+// released and reports failures as exceptions that name the cause.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "ggml-backend.h"
+#include "gguf.h"
+#include "llama.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <regex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+// Errors that the module's translator raises as moecache.ModelLoadError / MemoryError subclasses.
+struct model_load_error : std::runtime_error { using std::runtime_error::runtime_error; };
+struct out_of_memory_error : std::runtime_error { using std::runtime_error::runtime_error; };
+
+//
+// llama.cpp log capture: kept quiet by default, the last lines go into error messages
+//
+
+static const size_t LOG_RING_LINES = 256;
+
+struct log_ring {
+    std::mutex mutex;
+    std::deque<std::pair<uint64_t, std::string>> lines; // (sequence number, line)
+    std::string partial;                                 // text of a line not ended yet
+    uint64_t next_seq = 0;
+    ggml_log_level last_level = GGML_LOG_LEVEL_INFO;
+};
+
+static log_ring g_log;
+static std::atomic<int> g_n_verbose{0}; // echo the log to stderr while a verbose model is alive
+
+static void log_callback(ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (g_n_verbose.load() > 0) {
+        fputs(text, stderr);
+        fflush(stderr);
+    }
+    std::lock_guard<std::mutex> lock(g_log.mutex);
+    // a continuation belongs to the level of the line it continues
+    if (level == GGML_LOG_LEVEL_CONT) {
+        level = g_log.last_level;
+    } else {
+        g_log.last_level = level;
+    }
+    if (level == GGML_LOG_LEVEL_DEBUG) {
+        return; // too chatty to keep; never the reason for a failure
+    }
+    g_log.partial += text;
+    size_t nl;
+    while ((nl = g_log.partial.find('\n')) != std::string::npos) {
+        g_log.lines.emplace_back(g_log.next_seq++, g_log.partial.substr(0, nl));
+        g_log.partial.erase(0, nl + 1);
+        if (g_log.lines.size() > LOG_RING_LINES) {
+            g_log.lines.pop_front();
+        }
+    }
+}
+
+static uint64_t log_mark() {
+    std::lock_guard<std::mutex> lock(g_log.mutex);
+    return g_log.next_seq;
+}
+
+// The last max_lines lines logged since mark (plus an unfinished line), oldest first.
+static std::vector<std::string> log_lines_since(uint64_t mark, size_t max_lines) {
+    std::lock_guard<std::mutex> lock(g_log.mutex);
+    std::vector<std::string> out;
+    for (const auto & entry : g_log.lines) {
+        if (entry.first >= mark) {
+            out.push_back(entry.second);
+        }
+    }
+    if (!g_log.partial.empty()) {
+        out.push_back(g_log.partial);
+    }
+    if (out.size() > max_lines) {
+        out.erase(out.begin(), out.end() - max_lines);
+    }
+    return out;
+}
+
+static std::string join_log(const std::vector<std::string> & lines) {
+    if (lines.empty()) {
+        return "  (llama.cpp logged nothing)";
+    }
+    std::string s;
+    for (const auto & line : lines) {
+        s += "  " + line + "\n";
+    }
+    if (!s.empty()) {
+        s.pop_back();
+    }
+    return s;
+}
+
+static bool log_mentions(const std::vector<std::string> & lines, const char * needle) {
+    for (const auto & line : lines) {
+        if (line.find(needle) != std::string::npos) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// Allocation failures show up in the log under a few phrasings, depending on the backend.
+static bool log_mentions_allocation_failure(const std::vector<std::string> & lines) {
+    static const char * phrases[] = {
+        "failed to allocate", "unable to allocate", "out of memory", "cudaMalloc", "failed to reserve", "bad_alloc",
+    };
+    for (const char * phrase : phrases) {
+        if (log_mentions(lines, phrase)) {
+            return true;
+        }
+    }
+    return false;
+}
+
+//
+// devices and buffer types
+//
+
+static const char * dev_type_name(enum ggml_backend_dev_type type) {
+    switch (type) {
+        case GGML_BACKEND_DEVICE_TYPE_CPU:   return "cpu";
+        case GGML_BACKEND_DEVICE_TYPE_GPU:   return "gpu";
+        case GGML_BACKEND_DEVICE_TYPE_IGPU:  return "igpu";
+        case GGML_BACKEND_DEVICE_TYPE_ACCEL: return "accel";
+        case GGML_BACKEND_DEVICE_TYPE_META:  return "meta";
+    }
+    return "unknown";
+}
+
+static bool have_gpu() {
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        auto type = ggml_backend_dev_type(ggml_backend_dev_get(i));
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// Buffer types a tensor override may name: every device's own type (as llama-server's -ot) and
+// its pinned host type ("CUDA_Host"), by name.
+static std::map<std::string, ggml_backend_buffer_type_t> buffer_types_by_name() {
+    std::map<std::string, ggml_backend_buffer_type_t> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev)) {
+            out[ggml_backend_buft_name(buft)] = buft;
+        }
+        if (ggml_backend_buffer_type_t host = ggml_backend_dev_host_buffer_type(dev)) {
+            out[ggml_backend_buft_name(host)] = host;
+        }
+    }
+    return out;
+}
+
+//
+// model
+//
+
+struct model_handle {
+    llama_model * model = nullptr;
+    const llama_vocab * vocab = nullptr;
+    std::string path;
+    std::string arch;
+    bool verbose = false;
+
+    ~model_handle() {
+        if (model) {
+            llama_model_free(model);
+        }
+        if (verbose) {
+            g_n_verbose--;
+        }
+    }
+};
+
+// general.architecture of a GGUF file, read from its header only (no tensor data).
+static std::string read_gguf_arch(const std::string & path) {
+    gguf_init_params params = { /*no_alloc =*/ true, /*ctx =*/ nullptr };
+    const uint64_t mark = log_mark();
+    gguf_context * gguf = gguf_init_from_file(path.c_str(), params);
+    if (!gguf) {
+        throw model_load_error("'" + path + "' is not a valid GGUF file: its header could not be read "
+                               "(truncated or corrupt download?).\n" + join_log(log_lines_since(mark, 8)));
+    }
+    std::string arch;
+    const int64_t key = gguf_find_key(gguf, "general.architecture");
+    if (key >= 0 && gguf_get_kv_type(gguf, key) == GGUF_TYPE_STRING) {
+        arch = gguf_get_val_str(gguf, key);
+    }
+    gguf_free(gguf);
+    if (arch.empty()) {
+        throw model_load_error("'" + path + "' has no general.architecture key: it is a GGUF file but not a model "
+                               "(a vocab-only or adapter file?).");
+    }
+    return arch;
+}
+
+static std::string meta_string(const llama_model * model, const std::string & key) {
+    std::vector<char> buf(256);
+    int32_t n = llama_model_meta_val_str(model, key.c_str(), buf.data(), buf.size());
+    if (n < 0) {
+        return "";
+    }
+    if ((size_t) n >= buf.size()) {
+        buf.resize(n + 1);
+        n = llama_model_meta_val_str(model, key.c_str(), buf.data(), buf.size());
+    }
+    return std::string(buf.data(), n);
+}
+
+static std::shared_ptr<model_handle> load_model(
+        const std::string & path,
+        int n_gpu_layers,
+        int n_cpu_moe,
+        const std::vector<std::pair<std::string, std::string>> & tensor_overrides,
+        bool use_mmap,
+        bool use_mlock,
+        bool pinned,
+        bool repack,
+        bool verbose) {
+    if (n_cpu_moe < 0) {
+        throw std::invalid_argument("n_cpu_moe must be >= 0 (got " + std::to_string(n_cpu_moe) + ")");
+    }
+
+    auto handle = std::make_shared<model_handle>();
+    handle->path = path;
+    handle->verbose = verbose;
+    if (verbose) {
+        g_n_verbose++;
+    }
+    handle->arch = read_gguf_arch(path);
+
+    // Overrides, first match wins: the n_cpu_moe block regexes (upstream's --n-cpu-moe), then the
+    // caller's. The pattern strings must outlive the load.
+    const auto bufts = buffer_types_by_name();
+    std::vector<std::string> patterns;
+    std::vector<ggml_backend_buffer_type_t> targets;
+    for (int il = 0; il < n_cpu_moe; il++) {
+        patterns.push_back("blk\\." + std::to_string(il) + "\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
+        targets.push_back(ggml_backend_cpu_buffer_type());
+    }
+    for (const auto & ov : tensor_overrides) {
+        auto it = bufts.find(ov.second);
+        if (it == bufts.end()) {
+            std::string names;
+            for (const auto & b : bufts) {
+                names += (names.empty() ? "" : ", ") + b.first;
+            }
+            throw std::invalid_argument("tensor_overrides: unknown buffer type '" + ov.second +
+                                        "' (available: " + names + ")");
+        }
+        try {
+            std::regex check(ov.first); // the loader compiles it the same way; fail here with a clear message
+        } catch (const std::regex_error & e) {
+            throw std::invalid_argument("tensor_overrides: invalid regex '" + ov.first + "': " + e.what());
+        }
+        patterns.push_back(ov.first);
+        targets.push_back(it->second);
+    }
+    std::vector<llama_model_tensor_buft_override> overrides;
+    for (size_t i = 0; i < patterns.size(); i++) {
+        overrides.push_back({ patterns[i].c_str(), targets[i] });
+    }
+    overrides.push_back({ nullptr, nullptr });
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = n_gpu_layers;
+    mparams.use_extra_bufts = repack; // CPU weight repacking (AMX, interleaved quants): llama-server's --repack
+    mparams.tensor_buft_overrides = overrides.size() > 1 ? overrides.data() : nullptr;
+    // Pinned host memory for the CPU-resident weights: upstream picks the GPU's host buffer type
+    // for them unless the weights are mmapped, so pinned means "no mmap". Unpinned without mmap is
+    // upstream's --no-mmap --no-host.
+    const bool gpu = have_gpu();
+    if (pinned && gpu) {
+        use_mmap = false;
+    }
+    mparams.no_host = gpu && !pinned && !use_mmap;
+    if (use_mmap) {
+        mparams.load_mode = use_mlock ? LLAMA_LOAD_MODE_MMAP_MLOCK : LLAMA_LOAD_MODE_MMAP;
+    } else {
+        mparams.load_mode = use_mlock ? LLAMA_LOAD_MODE_MLOCK : LLAMA_LOAD_MODE_NONE;
+    }
+
+    const uint64_t mark = log_mark();
+    {
+        py::gil_scoped_release release;
+        handle->model = llama_model_load_from_file(path.c_str(), mparams);
+    }
+    if (!handle->model) {
+        const auto lines = log_lines_since(mark, 20);
+        if (log_mentions(lines, "unknown model architecture")) {
+            throw model_load_error("unsupported architecture '" + handle->arch + "' in '" + path +
+                                   "': this llama.cpp build does not know it. Use a GGUF of an architecture "
+                                   "llama.cpp supports (e.g. qwen3moe).");
+        }
+        std::string msg = "failed to load model '" + path + "'";
+        if (log_mentions_allocation_failure(lines)) {
+            msg += " (not enough memory for its weights: lower n_gpu_layers, raise n_cpu_moe or free memory)";
+        }
+        throw model_load_error(msg + ". llama.cpp said:\n" + join_log(lines));
+    }
+    handle->vocab = llama_model_get_vocab(handle->model);
+    return handle;
+}
+
+static std::vector<llama_token> tokenize(const model_handle & m, const std::string & text, bool add_special, bool parse_special) {
+    std::vector<llama_token> tokens(text.size() + 8);
+    int32_t n = llama_tokenize(m.vocab, text.data(), (int32_t) text.size(), tokens.data(), (int32_t) tokens.size(),
+                               add_special, parse_special);
+    if (n == INT32_MIN) {
+        throw std::overflow_error("tokenize: the text is too long");
+    }
+    if (n < 0) {
+        tokens.resize(-n);
+        n = llama_tokenize(m.vocab, text.data(), (int32_t) text.size(), tokens.data(), (int32_t) tokens.size(),
+                           add_special, parse_special);
+    }
+    tokens.resize(n);
+    return tokens;
+}
+
+static void check_token(const model_handle & m, llama_token t) {
+    const int32_t n_vocab = llama_vocab_n_tokens(m.vocab);
+    if (t < 0 || t >= n_vocab) {
+        throw std::invalid_argument("token id " + std::to_string(t) + " is out of range [0, " + std::to_string(n_vocab) + ")");
+    }
+}
+
+static std::string token_piece(const model_handle & m, llama_token t, bool special) {
+    char buf[256];
+    int32_t n = llama_token_to_piece(m.vocab, t, buf, sizeof(buf), 0, special);
+    if (n >= 0) {
+        return std::string(buf, n);
+    }
+    std::string big(-n, '\0');
+    n = llama_token_to_piece(m.vocab, t, &big[0], (int32_t) big.size(), 0, special);
+    return big.substr(0, std::max(n, 0));
+}
+
+static std::string detokenize(const model_handle & m, const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) {
+    for (llama_token t : tokens) {
+        check_token(m, t);
+    }
+    std::string text(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(m.vocab, tokens.data(), (int32_t) tokens.size(), &text[0], (int32_t) text.size(),
+                                 remove_special, unparse_special);
+    if (n < 0) {
+        text.resize(-n);
+        n = llama_detokenize(m.vocab, tokens.data(), (int32_t) tokens.size(), &text[0], (int32_t) text.size(),
+                             remove_special, unparse_special);
+    }
+    text.resize(std::max(n, 0));
+    return text;
+}
+
+//
+// context
+//
+
+// Expert ids that the MoE layers selected, collected by the eval callback of a tracing context.
+struct routing_trace {
+    std::map<int, std::vector<int32_t>> ids_by_layer; // layer -> ids, n_expert_used per token, in token order
+    int64_t n_expert_used = 0;
+    std::string error;
+};
+
+// "ffn_moe_topk-<il>" is the name build_moe_ffn gives the [n_expert_used, n_tokens] selected ids.
+static bool topk_layer(const char * name, int * il) {
+    static const char prefix[] = "ffn_moe_topk-";
+    const size_t n = sizeof(prefix) - 1;
+    if (strncmp(name, prefix, n) != 0 || name[n] == '\0') {
+        return false;
+    }
+    int value = 0;
+    for (const char * p = name + n; *p; p++) {
+        if (*p < '0' || *p > '9') {
+            return false;
+        }
+        value = value * 10 + (*p - '0');
+    }
+    *il = value;
+    return true;
+}
+
+static bool trace_eval_callback(ggml_tensor * t, bool ask, void * user_data) {
+    auto * trace = (routing_trace *) user_data;
+    int il = -1;
+    if (!topk_layer(t->name, &il)) {
+        return !ask; // ask: not needed; data: (never asked for) keep going
+    }
+    if (ask) {
+        return true;
+    }
+    if (t->type != GGML_TYPE_I32 || t->nb[0] != sizeof(int32_t) || t->ne[2] != 1 || t->ne[3] != 1) {
+        trace->error = std::string("unexpected layout of ") + t->name;
+        return false;
+    }
+    const int64_t k = t->ne[0];
+    const int64_t n_tokens = t->ne[1];
+    if (trace->n_expert_used == 0) {
+        trace->n_expert_used = k;
+    } else if (trace->n_expert_used != k) {
+        trace->error = std::string("inconsistent top-k width in ") + t->name;
+        return false;
+    }
+    // The ids are usually a view of the first k columns of the argsort result: fetch the whole
+    // strided extent in one copy (a copy per row would be slow on a GPU) and pick the rows.
+    const size_t nbytes = ggml_nbytes(t);
+    std::vector<char> raw(nbytes);
+    ggml_backend_tensor_get(t, raw.data(), 0, nbytes);
+    auto & out = trace->ids_by_layer[il];
+    for (int64_t i = 0; i < n_tokens; i++) {
+        const int32_t * row = (const int32_t *) (raw.data() + i * t->nb[1]);
+        out.insert(out.end(), row, row + k);
+    }
+    return true;
+}
+
+struct context_handle {
+    std::shared_ptr<model_handle> model;
+    llama_context * ctx = nullptr;
+    llama_context_params params;
+    llama_batch batch;
+    std::mutex mutex; // one call at a time: a context is not thread safe
+
+    ~context_handle() {
+        if (ctx) {
+            llama_batch_free(batch);
+            llama_free(ctx);
+        }
+    }
+};
+
+// Called without the GIL (it may take a while: it allocates the KV cache and compute buffers).
+static llama_context * new_context(const model_handle & m, const llama_context_params & params) {
+    const uint64_t mark = log_mark();
+    llama_context * ctx = llama_init_from_model(m.model, params);
+    if (!ctx) {
+        const auto lines = log_lines_since(mark, 12);
+        const std::string sizes = "n_ctx=" + std::to_string(params.n_ctx) + ", n_batch=" + std::to_string(params.n_batch) +
+                                  ", n_ubatch=" + std::to_string(params.n_ubatch);
+        if (log_mentions_allocation_failure(lines)) {
+            throw out_of_memory_error("not enough memory for a context with " + sizes +
+                                      " (KV cache and compute buffers): lower n_ctx or n_ubatch. llama.cpp said:\n" + join_log(lines));
+        }
+        throw std::runtime_error("could not create a context with " + sizes + ". llama.cpp said:\n" + join_log(lines));
+    }
+    return ctx;
+}
+
+static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle> m, int n_ctx, int n_batch, int n_ubatch,
+                                                    int n_threads, const std::string & flash_attn) {
+    if (n_ctx <= 0) {
+        throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
+    }
+    if (n_batch <= 0 || n_ubatch <= 0 || n_ubatch > n_batch) {
+        throw std::invalid_argument("need 0 < n_ubatch <= n_batch (got n_batch=" + std::to_string(n_batch) +
+                                    ", n_ubatch=" + std::to_string(n_ubatch) + ")");
+    }
+    if (n_threads <= 0) {
+        throw std::invalid_argument("n_threads must be > 0 (got " + std::to_string(n_threads) + ")");
+    }
+    llama_context_params params = llama_context_default_params();
+    if (flash_attn == "auto") {
+        params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_AUTO;
+    } else if (flash_attn == "on") {
+        params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_ENABLED;
+    } else if (flash_attn == "off") {
+        params.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    } else {
+        throw std::invalid_argument("flash_attn must be one of 'auto', 'on', 'off' (got '" + flash_attn + "')");
+    }
+    params.n_ctx = n_ctx;
+    params.n_batch = n_batch;
+    params.n_ubatch = n_ubatch;
+    params.n_seq_max = 1;
+    params.n_threads = n_threads;
+    params.n_threads_batch = n_threads;
+    params.no_perf = true; // we time prefill and decode ourselves
+
+    auto c = std::make_shared<context_handle>();
+    c->model = std::move(m);
+    c->params = params;
+    {
+        py::gil_scoped_release release;
+        c->ctx = new_context(*c->model, params);
+    }
+    // llama.cpp may clamp the sizes (n_batch <= n_ctx, n_ubatch <= n_batch): keep what it uses
+    c->params.n_ctx = llama_n_ctx(c->ctx);
+    c->params.n_batch = llama_n_batch(c->ctx);
+    c->params.n_ubatch = llama_n_ubatch(c->ctx);
+    c->batch = llama_batch_init(c->params.n_batch, 0, 1);
+    return c;
+}
+
+// Decode tokens[0, n) at positions pos0.. in chunks of `chunk`; outputs for every token
+// (all_outputs) or only for the very last one.
+static void decode_chunks(llama_context * ctx, llama_batch & batch, const llama_token * tokens, int32_t n,
+                          int32_t pos0, int32_t chunk, bool all_outputs) {
+    for (int32_t i0 = 0; i0 < n; i0 += chunk) {
+        const int32_t n_chunk = std::min(chunk, n - i0);
+        batch.n_tokens = n_chunk;
+        for (int32_t j = 0; j < n_chunk; j++) {
+            batch.token[j] = tokens[i0 + j];
+            batch.pos[j] = pos0 + i0 + j;
+            batch.n_seq_id[j] = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j] = all_outputs || (i0 + j == n - 1);
+        }
+        const int32_t ret = llama_decode(ctx, batch);
+        if (ret != 0) {
+            throw std::runtime_error(ret == 1 ? "llama_decode: no room in the KV cache (context full)"
+                                   : ret == 2 ? "llama_decode: aborted"
+                                              : "llama_decode failed with code " + std::to_string(ret) +
+                                                    " (see the llama.cpp log; run with verbose=True)");
+        }
+    }
+}
+
+struct generation_result {
+    std::vector<llama_token> tokens;
+    std::string text;
+    std::string finish_reason;
+    int32_t prefill_tokens = 0;
+    double prefill_s = 0.0;
+    int32_t decode_tokens = 0;
+    double decode_s = 0.0;
+};
+
+static llama_sampler * make_sampler(float temperature, uint32_t seed, int32_t top_k, float top_p) {
+    llama_sampler * chain = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (temperature == 0.0f) {
+        llama_sampler_chain_add(chain, llama_sampler_init_greedy());
+        return chain;
+    }
+    if (top_k > 0) {
+        llama_sampler_chain_add(chain, llama_sampler_init_top_k(top_k));
+    }
+    if (top_p < 1.0f) {
+        llama_sampler_chain_add(chain, llama_sampler_init_top_p(top_p, 1));
+    }
+    llama_sampler_chain_add(chain, llama_sampler_init_temp(temperature));
+    llama_sampler_chain_add(chain, llama_sampler_init_dist(seed));
+    return chain;
+}
+
+// A stop string that ends inside text[from_hint..]: where it starts, or npos.
+static size_t find_stop(const std::string & text, size_t from_hint, const std::vector<std::string> & stops) {
+    size_t best = std::string::npos;
+    for (const auto & s : stops) {
+        const size_t from = from_hint >= s.size() ? from_hint - s.size() + 1 : 0;
+        const size_t pos = text.find(s, from);
+        if (pos != std::string::npos && pos < best) {
+            best = pos;
+        }
+    }
+    return best;
+}
+
+static generation_result generate(context_handle & c, const std::vector<llama_token> & prompt, int32_t max_tokens,
+                                  float temperature, uint32_t seed, int32_t top_k, float top_p,
+                                  const std::vector<std::string> & stops) {
+    const model_handle & m = *c.model;
+    const int32_t n_ctx = (int32_t) llama_n_ctx(c.ctx);
+    if (prompt.empty()) {
+        throw std::invalid_argument("prompt is empty");
+    }
+    if ((int32_t) prompt.size() >= n_ctx) {
+        throw std::invalid_argument("prompt has " + std::to_string(prompt.size()) + " tokens, the context holds " +
+                                    std::to_string(n_ctx) + ": make a context with a larger n_ctx");
+    }
+    for (llama_token t : prompt) {
+        check_token(m, t);
+    }
+    if (max_tokens < 0) {
+        throw std::invalid_argument("max_tokens must be >= 0");
+    }
+    if (temperature < 0.0f) {
+        throw std::invalid_argument("temperature must be >= 0");
+    }
+
+    generation_result r;
+    std::unique_ptr<llama_sampler, decltype(&llama_sampler_free)> smpl(make_sampler(temperature, seed, top_k, top_p),
+                                                                       &llama_sampler_free);
+    using clock = std::chrono::steady_clock;
+    // the GIL first, then the lock: a thread waiting for the lock must not hold the GIL
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(c.mutex);
+
+    llama_memory_clear(llama_get_memory(c.ctx), true);
+
+    const auto t0 = clock::now();
+    decode_chunks(c.ctx, c.batch, prompt.data(), (int32_t) prompt.size(), 0, (int32_t) c.params.n_batch, false);
+    llama_synchronize(c.ctx);
+    const auto t1 = clock::now();
+    r.prefill_tokens = (int32_t) prompt.size();
+    r.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+
+    int32_t n_past = (int32_t) prompt.size();
+    r.finish_reason = "length";
+    if (max_tokens > 0) {
+        llama_token t = llama_sampler_sample(smpl.get(), c.ctx, -1);
+        while (true) {
+            if (llama_vocab_is_eog(m.vocab, t)) {
+                r.finish_reason = "stop"; // the end-of-generation token itself is not part of the output
+                break;
+            }
+            r.tokens.push_back(t);
+            const size_t old_len = r.text.size();
+            r.text += token_piece(m, t, false);
+            if (!stops.empty()) {
+                const size_t pos = find_stop(r.text, old_len, stops);
+                if (pos != std::string::npos) {
+                    r.text.resize(pos);
+                    r.finish_reason = "stop";
+                    break;
+                }
+            }
+            if ((int32_t) r.tokens.size() >= max_tokens || n_past >= n_ctx) {
+                break;
+            }
+            decode_chunks(c.ctx, c.batch, &t, 1, n_past, 1, true);
+            n_past++;
+            r.decode_tokens++;
+            t = llama_sampler_sample(smpl.get(), c.ctx, -1);
+        }
+    }
+    r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    return r;
+}
+
+// Run tokens through a context that records the experts each MoE layer selects.
+// The eval callback splits graph computation at every recorded tensor (slower, and it stops the
+// backends from running ahead), so it lives in a separate context made only for the trace: the
+// generation context keeps upstream's speed.
+static std::pair<py::array_t<int32_t>, std::vector<int>> trace_routing(context_handle & c, const std::vector<llama_token> & tokens) {
+    const model_handle & m = *c.model;
+    if (tokens.empty()) {
+        throw std::invalid_argument("trace_routing: no tokens");
+    }
+    if (tokens.size() > c.params.n_ctx) {
+        throw std::invalid_argument("trace_routing: " + std::to_string(tokens.size()) + " tokens do not fit in n_ctx=" +
+                                    std::to_string(c.params.n_ctx) + ": trace in pieces or use a larger context");
+    }
+    for (llama_token t : tokens) {
+        check_token(m, t);
+    }
+
+    routing_trace trace;
+    llama_context_params params = c.params;
+    params.cb_eval = trace_eval_callback;
+    params.cb_eval_user_data = &trace;
+    std::unique_ptr<llama_context, decltype(&llama_free)> tctx(nullptr, &llama_free);
+    std::unique_ptr<llama_batch, void (*)(llama_batch *)> batch(new llama_batch(llama_batch_init(params.n_batch, 0, 1)),
+                                                               [](llama_batch * b) { llama_batch_free(*b); delete b; });
+    {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(c.mutex);
+        tctx.reset(new_context(m, params));
+        // Every token is an output so that the last layer runs its MoE on all tokens (it skips the
+        // rows that are not output). Chunks of one ubatch bound the logits buffer to
+        // n_ubatch x n_vocab; with n_batch a multiple of n_ubatch the ubatches, and so the
+        // routing, are the same as in generate's prefill.
+        decode_chunks(tctx.get(), *batch, tokens.data(), (int32_t) tokens.size(), 0, (int32_t) params.n_ubatch, true);
+        llama_synchronize(tctx.get());
+    }
+    if (!trace.error.empty()) {
+        throw std::runtime_error("trace_routing: " + trace.error);
+    }
+    if (trace.ids_by_layer.empty()) {
+        throw std::invalid_argument("trace_routing: the model has no MoE layers (no ffn_moe_topk tensors were computed)");
+    }
+
+    const int64_t n_tokens = (int64_t) tokens.size();
+    const int64_t k = trace.n_expert_used;
+    const int64_t n_layers = (int64_t) trace.ids_by_layer.size();
+    std::vector<int> layers;
+    for (const auto & it : trace.ids_by_layer) {
+        if ((int64_t) it.second.size() != n_tokens * k) {
+            throw std::runtime_error("trace_routing: layer " + std::to_string(it.first) + " recorded " +
+                                     std::to_string(it.second.size() / k) + " tokens, expected " + std::to_string(n_tokens));
+        }
+        layers.push_back(it.first);
+    }
+    py::array_t<int32_t> out({ n_tokens, n_layers, k });
+    int32_t * dst = out.mutable_data();
+    int64_t il_col = 0;
+    for (const auto & it : trace.ids_by_layer) {
+        for (int64_t i = 0; i < n_tokens; i++) {
+            std::copy_n(it.second.data() + i * k, k, dst + (i * n_layers + il_col) * k);
+        }
+        il_col++;
+    }
+    return { out, layers };
+}
+
+//
+// module
+//
+
+PYBIND11_MODULE(_core, mod) {
+    mod.doc() = "moecache native core: bindings over the patched llama.cpp (use the moecache package, not this module)";
+
+    llama_log_set(log_callback, nullptr);
+    llama_backend_init();
+
+    // Errors with a Python class of their own live in moecache.api (importable without this module).
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) {
+                std::rethrow_exception(p);
+            }
+        } catch (const model_load_error & e) {
+            py::object cls = py::module_::import("moecache.api").attr("ModelLoadError");
+            PyErr_SetString(cls.ptr(), e.what());
+        } catch (const out_of_memory_error & e) {
+            py::object cls = py::module_::import("moecache.api").attr("OutOfMemoryError");
+            PyErr_SetString(cls.ptr(), e.what());
+        }
+    });
+
+    mod.def("system_info", []() { return std::string(llama_print_system_info()); });
+    mod.def("supports_gpu_offload", []() { return llama_supports_gpu_offload(); });
+    mod.def("supports_mmap", []() { return llama_supports_mmap(); });
+    mod.def("supports_mlock", []() { return llama_supports_mlock(); });
+    mod.def("have_gpu", &have_gpu, "whether a GPU (dedicated or integrated) device is registered");
+
+    mod.def("devices", []() {
+        py::list out;
+        for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            ggml_backend_dev_props props;
+            ggml_backend_dev_get_props(dev, &props);
+            py::dict d;
+            d["name"] = std::string(props.name ? props.name : "");
+            d["description"] = std::string(props.description ? props.description : "");
+            d["type"] = std::string(dev_type_name(props.type));
+            d["memory_free"] = (uint64_t) props.memory_free;
+            d["memory_total"] = (uint64_t) props.memory_total;
+            d["device_id"] = props.device_id ? py::object(py::str(props.device_id)) : py::object(py::none());
+            d["host_buffer"] = props.caps.host_buffer;
+            out.append(d);
+        }
+        return out;
+    });
+
+    mod.def("buffer_types", []() {
+        std::vector<std::string> names;
+        for (const auto & it : buffer_types_by_name()) {
+            names.push_back(it.first);
+        }
+        return names;
+    }, "names a tensor override may use (every device's buffer type and pinned host type)");
+
+    mod.def("log_tail", [](size_t n) { return log_lines_since(0, n); }, py::arg("n") = 40,
+            "the last n lines llama.cpp logged (debug lines excluded)");
+
+    mod.def("gguf_arch", &read_gguf_arch, py::arg("path"), "general.architecture of a GGUF file (header only)");
+
+    py::class_<model_handle, std::shared_ptr<model_handle>>(mod, "Model")
+        .def(py::init(&load_model), py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0,
+             py::arg("tensor_overrides") = std::vector<std::pair<std::string, std::string>>(), py::arg("use_mmap") = true,
+             py::arg("use_mlock") = false, py::arg("pinned") = false, py::arg("repack") = true,
+             py::arg("verbose") = false)
+        .def_readonly("path", &model_handle::path)
+        .def_readonly("arch", &model_handle::arch)
+        .def_property_readonly("n_layer", [](const model_handle & m) { return llama_model_n_layer(m.model); })
+        .def_property_readonly("n_embd", [](const model_handle & m) { return llama_model_n_embd(m.model); })
+        .def_property_readonly("n_ctx_train", [](const model_handle & m) { return llama_model_n_ctx_train(m.model); })
+        .def_property_readonly("n_vocab", [](const model_handle & m) { return llama_vocab_n_tokens(m.vocab); })
+        .def_property_readonly("n_params", [](const model_handle & m) { return llama_model_n_params(m.model); })
+        .def_property_readonly("size", [](const model_handle & m) { return llama_model_size(m.model); })
+        .def_property_readonly("desc", [](const model_handle & m) {
+            char buf[256];
+            const int32_t n = llama_model_desc(m.model, buf, sizeof(buf));
+            return std::string(buf, std::max(0, std::min(n, (int32_t) sizeof(buf) - 1)));
+        })
+        .def_property_readonly("bos", [](const model_handle & m) { return llama_vocab_bos(m.vocab); })
+        .def_property_readonly("eos", [](const model_handle & m) { return llama_vocab_eos(m.vocab); })
+        .def("is_eog", [](const model_handle & m, llama_token t) { return llama_vocab_is_eog(m.vocab, t); })
+        .def("metadata", [](const model_handle & m) {
+            py::dict out;
+            const int32_t n = llama_model_meta_count(m.model);
+            std::vector<char> key(512), val(4096);
+            for (int32_t i = 0; i < n; i++) {
+                int32_t nk = llama_model_meta_key_by_index(m.model, i, key.data(), key.size());
+                if (nk < 0) {
+                    continue;
+                }
+                if ((size_t) nk >= key.size()) {
+                    key.resize(nk + 1);
+                    nk = llama_model_meta_key_by_index(m.model, i, key.data(), key.size());
+                }
+                int32_t nv = llama_model_meta_val_str_by_index(m.model, i, val.data(), val.size());
+                if (nv < 0) {
+                    continue;
+                }
+                if ((size_t) nv >= val.size()) {
+                    val.resize(nv + 1);
+                    nv = llama_model_meta_val_str_by_index(m.model, i, val.data(), val.size());
+                }
+                // values are not always valid UTF-8 (binary strings in some GGUFs): replace, do not fail
+                auto k = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(key.data(), nk, "replace"));
+                auto v = py::reinterpret_steal<py::object>(PyUnicode_DecodeUTF8(val.data(), nv, "replace"));
+                if (!k || !v) {
+                    throw py::error_already_set();
+                }
+                out[k] = v;
+            }
+            return out;
+        })
+        .def("meta", [](const model_handle & m, const std::string & key) { return meta_string(m.model, key); }, py::arg("key"), "one metadata value as a string ('' when missing)")
+        .def("tokenize", [](const model_handle & m, const std::string & text, bool add_special, bool parse_special) {
+            return tokenize(m, text, add_special, parse_special);
+        }, py::arg("text"), py::arg("add_special") = true, py::arg("parse_special") = true)
+        .def("detokenize", [](const model_handle & m, const std::vector<llama_token> & tokens, bool remove_special, bool unparse_special) {
+            return py::bytes(detokenize(m, tokens, remove_special, unparse_special));
+        }, py::arg("tokens"), py::arg("remove_special") = false, py::arg("unparse_special") = false)
+        .def("token_to_piece", [](const model_handle & m, llama_token t, bool special) {
+            check_token(m, t);
+            return py::bytes(token_piece(m, t, special));
+        }, py::arg("token"), py::arg("special") = false);
+
+    py::class_<context_handle, std::shared_ptr<context_handle>>(mod, "Context")
+        .def(py::init(&make_context), py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_batch") = 2048,
+             py::arg("n_ubatch") = 512, py::arg("n_threads") = 4, py::arg("flash_attn") = "auto")
+        .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
+        .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
+        .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
+        .def_property_readonly("n_threads", [](context_handle & c) { return llama_n_threads(c.ctx); })
+        .def("reset", [](context_handle & c) {
+            py::gil_scoped_release release;
+            std::lock_guard<std::mutex> lock(c.mutex);
+            llama_memory_clear(llama_get_memory(c.ctx), true);
+        })
+        .def("generate", [](context_handle & c, const std::vector<llama_token> & prompt, int32_t max_tokens, float temperature,
+                            uint32_t seed, int32_t top_k, float top_p, const std::vector<std::string> & stop) {
+            generation_result r = generate(c, prompt, max_tokens, temperature, seed, top_k, top_p, stop);
+            py::dict d;
+            d["tokens"] = r.tokens;
+            d["text"] = py::bytes(r.text);
+            d["finish_reason"] = r.finish_reason;
+            d["prefill_tokens"] = r.prefill_tokens;
+            d["prefill_s"] = r.prefill_s;
+            d["decode_tokens"] = r.decode_tokens;
+            d["decode_s"] = r.decode_s;
+            return d;
+        }, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("seed") = 0,
+           py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("stop") = std::vector<std::string>())
+        .def("trace_routing", &trace_routing, py::arg("tokens"),
+             "(ids [n_tokens, n_moe_layers, n_expert_used] int32, the layer index of each column)");
+}

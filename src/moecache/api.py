@@ -1,0 +1,474 @@
+"""The Python API: load a GGUF model, make a context, generate, trace expert routing.
+
+    import moecache
+    m = moecache.Model("model.gguf", n_gpu_layers=99, n_cpu_moe=24)
+    ctx = m.context(n_ctx=8192)
+    g = ctx.generate("The capital of France is", max_tokens=32)
+    print(g.text, g.timings["decode_tps"])
+
+Everything here is a thin layer over the native module `moecache._core` (pybind11 over
+llama.h). This file checks arguments and files before they reach C++, so mistakes come back as
+Python exceptions that name the parameter or the file. It imports the native module only on
+first use: `import moecache` works without it (the build orchestrator runs before it exists).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+
+class MoecacheError(RuntimeError):
+    """Base class of moecache's own errors."""
+
+
+class ModelLoadError(MoecacheError):
+    """A model file could not be loaded: not a GGUF, an unsupported architecture, or a failed load."""
+
+
+class OutOfMemoryError(MoecacheError, MemoryError):
+    """Not enough (device or host) memory for what was asked; also a MemoryError."""
+
+
+#
+# the native module, loaded on first use
+#
+
+_core_module = None
+
+
+def _build_tree_modules() -> list[Path]:
+    """Compiled _core modules in a checkout's build folders (build/<tag>/...), newest first."""
+    repo = Path(__file__).resolve().parent.parent.parent
+    build = repo / "build"
+    if not build.is_dir():
+        return []
+    found = []
+    for pattern in ("*/python/moecache/_core.*", "*/stage/moecache/_core.*", "*/_core.*"):
+        found.extend(p for p in build.glob(pattern) if p.suffix in (".so", ".pyd") and p.is_file())
+    return sorted(set(found), key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def _core():
+    """The native module; a MoecacheError that says how to build it when it is missing."""
+    global _core_module
+    if _core_module is not None:
+        return _core_module
+    problems = []
+    module = None
+    try:
+        module = importlib.import_module("moecache._core")
+        # In a source checkout src/moecache/_core/ holds the C++ and imports as an empty
+        # namespace package: that is not the module.
+        if getattr(module, "__file__", None) is None or not hasattr(module, "Model"):
+            sys.modules.pop("moecache._core", None)
+            module = None
+            problems.append("moecache/_core is the C++ source folder, not a compiled module")
+    except ImportError as e:
+        problems.append(str(e))
+    if module is None:
+        for path in _build_tree_modules():
+            try:
+                spec = importlib.util.spec_from_file_location("moecache._core", path)
+                candidate = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(candidate)
+            except ImportError as e:
+                problems.append(f"{path}: {e}")
+                continue
+            sys.modules["moecache._core"] = candidate
+            module = candidate
+            break
+    if module is None:
+        raise MoecacheError(
+            "the native module moecache._core is not built (" + "; ".join(problems) + "). "
+            "Install moecache with `pip install .`, or in a checkout `pip install -e . --no-build-isolation`."
+        )
+    _core_module = module
+    return module
+
+
+def native_module():
+    """The loaded native module (moecache._core); raises MoecacheError when it is not built."""
+    return _core()
+
+
+#
+# system
+#
+
+
+def devices() -> list[dict]:
+    """The ggml devices: name, description, type ('cpu', 'gpu', 'igpu', 'accel'), memory_free,
+    memory_total (bytes), device_id, host_buffer (whether it has a pinned host buffer type)."""
+    return [dict(d) for d in _core().devices()]
+
+
+def system_info() -> str:
+    """llama.cpp's system info line (CPU features the build uses, backends)."""
+    return _core().system_info()
+
+
+def buffer_types() -> list[str]:
+    """Buffer type names that tensor_overrides may use ('CPU', 'CUDA0', 'CUDA_Host', ...)."""
+    return list(_core().buffer_types())
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may use (llama.cpp's default thread count)."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    cores = set()
+    try:
+        physical_id = core_id = None
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "physical id":
+                    physical_id = value.strip()
+                elif key == "core id":
+                    core_id = value.strip()
+                elif not key and core_id is not None:
+                    cores.add((physical_id, core_id))
+                    physical_id = core_id = None
+        if core_id is not None:
+            cores.add((physical_id, core_id))
+    except OSError:
+        pass
+    n = len(cores) if cores else allowed
+    return max(1, min(n, allowed))
+
+
+#
+# argument checks
+#
+
+
+def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np  # numpy integers are fine
+
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except (ImportError, TypeError):
+            raise ValueError(f"{name} must be an integer{what} (got {value!r})") from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{what} (got {value})")
+    return value
+
+
+def _check_float(name: str, value, what: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number{what} (got {value!r})")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number{what} (got {value!r})") from None
+
+
+def _parse_tensor_overrides(overrides) -> list[tuple[str, str]]:
+    """(regex, buffer type) pairs from a list of pairs, a dict, or llama-server's -ot syntax
+    "regex=TYPE,regex=TYPE"."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        pairs = []
+        for item in overrides.split(","):
+            pattern, sep, buft = item.partition("=")
+            if not sep or not pattern:
+                raise ValueError(f"tensor_overrides: '{item}' is not of the form <regex>=<buffer type>")
+            pairs.append((pattern, buft))
+        return pairs
+    if isinstance(overrides, dict):
+        overrides = list(overrides.items())
+    pairs = []
+    for item in overrides:
+        if isinstance(item, str) or len(item) != 2 or not all(isinstance(x, str) for x in item):
+            raise ValueError(f"tensor_overrides: each entry must be a (regex, buffer type) pair of strings, got {item!r}")
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: '{path}'")
+    if path.is_dir():
+        raise ModelLoadError(f"'{path}' is a directory, not a GGUF model file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(
+            f"'{path}' is not a GGUF file: it starts with {magic!r}, a GGUF file starts with b'GGUF'. "
+            "moecache loads llama.cpp GGUF models; convert others with llama.cpp's convert_hf_to_gguf.py."
+        )
+
+
+FLASH_ATTN_VALUES = ("auto", "on", "off")
+
+#
+# model, context, generation
+#
+
+
+@dataclass
+class Generation:
+    """What Context.generate returns. `tokens` are the generated tokens (the end-of-generation
+    token is not included); `finish_reason` is "stop" (end-of-generation token or a stop string)
+    or "length" (max_tokens or the context is full)."""
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str
+    timings: dict = field(default_factory=dict)
+
+
+class Model:
+    """A GGUF model loaded by llama.cpp.
+
+    Placement: `n_gpu_layers` layers go to the GPU (-1 = all); `n_cpu_moe` keeps the routed
+    experts of the first N layers in host memory (llama-server's --n-cpu-moe); `tensor_overrides`
+    places tensors by regex, as llama-server's -ot: [("exps", "CPU")] or "exps=CPU" (first match
+    wins; the n_cpu_moe rules come first). `pinned=True` keeps the host-resident weights in the
+    GPU's pinned host memory (faster uploads; it implies no mmap); without a GPU it is ignored with a
+    warning. `pinned=False, use_mmap=False` is llama-server's `--no-mmap --no-host`.
+    `repack=False` is llama-server's --no-repack (no CPU weight repacking: AMX, interleaved quants).
+    `verbose=True` lets llama.cpp's log through to stderr (otherwise it is kept for error messages).
+    """
+
+    def __init__(
+        self,
+        path,
+        n_gpu_layers: int = 0,
+        n_cpu_moe: int = 0,
+        tensor_overrides=None,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        pinned: bool = False,
+        verbose: bool = False,
+        repack: bool = True,
+    ):
+        path = Path(os.fspath(path)).expanduser()
+        _check_gguf_file(path)
+        n_gpu_layers = _check_int("n_gpu_layers", n_gpu_layers, minimum=-1, what=" >= -1 (-1 = all layers)")
+        n_cpu_moe = _check_int("n_cpu_moe", n_cpu_moe, minimum=0, what=" >= 0")
+        overrides = _parse_tensor_overrides(tensor_overrides)
+        core = _core()
+        if overrides:
+            known = list(core.buffer_types())
+            for pattern, buft in overrides:
+                if buft not in known:
+                    raise ValueError(
+                        f"tensor_overrides: unknown buffer type '{buft}' for '{pattern}' (allowed: {', '.join(known)})"
+                    )
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"tensor_overrides: invalid regex '{pattern}': {e}") from None
+        self.notes: list[str] = []
+        if pinned and not core.have_gpu():
+            note = "pinned=True is ignored: there is no GPU, so there is no pinned host memory to use"
+            self.notes.append(note)
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+        self._m = core.Model(
+            str(path),
+            n_gpu_layers=n_gpu_layers,
+            n_cpu_moe=n_cpu_moe,
+            tensor_overrides=overrides,
+            use_mmap=bool(use_mmap),
+            use_mlock=bool(use_mlock),
+            pinned=bool(pinned),
+            repack=bool(repack),
+            verbose=bool(verbose),
+        )
+        self.path = str(path)
+        self.arch = self._m.arch
+        self.n_layer = self._m.n_layer
+        self.n_embd = self._m.n_embd
+        self.n_vocab = self._m.n_vocab
+        self.n_ctx_train = self._m.n_ctx_train
+        self.n_params = self._m.n_params
+        self.size = self._m.size
+        self.desc = self._m.desc
+        self.metadata: dict[str, str] = dict(self._m.metadata())
+        self.n_expert = int(self.metadata.get(f"{self.arch}.expert_count", "0") or 0)
+        self.n_expert_used = int(self.metadata.get(f"{self.arch}.expert_used_count", "0") or 0)
+        self.placement = {
+            "n_gpu_layers": n_gpu_layers,
+            "n_cpu_moe": n_cpu_moe,
+            "tensor_overrides": overrides,
+            "use_mmap": bool(use_mmap),
+            "use_mlock": bool(use_mlock),
+            "pinned": bool(pinned),
+            "repack": bool(repack),
+        }
+
+    def __repr__(self) -> str:
+        return (f"moecache.Model('{self.path}', arch={self.arch}, n_layer={self.n_layer}, "
+                f"n_expert={self.n_expert}, n_expert_used={self.n_expert_used}, size={self.size})")
+
+    # tokens
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str (got {type(text).__name__})")
+        return list(self._m.tokenize(text, add_special=add_special, parse_special=parse_special))
+
+    def detokenize(self, tokens: Iterable[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        data = self._m.detokenize(self._tokens(tokens, "tokens"), remove_special, unparse_special)
+        return data.decode("utf-8", errors="replace")
+
+    def token_to_piece(self, token: int, special: bool = False) -> str:
+        return self.token_bytes(token, special).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The raw bytes of a token (a piece may hold part of a UTF-8 character)."""
+        return self._m.token_to_piece(self._token(token), special)
+
+    def is_eog(self, token: int) -> bool:
+        return self._m.is_eog(self._token(token))
+
+    def _token(self, token) -> int:
+        return _check_int("token", token, minimum=0, maximum=self.n_vocab - 1, what=f" in [0, {self.n_vocab})")
+
+    def _tokens(self, tokens, name: str) -> list[int]:
+        if isinstance(tokens, (str, bytes)):
+            raise ValueError(f"{name} must be a list of token ids (got {type(tokens).__name__})")
+        try:
+            out = [_check_int(name, t) for t in tokens]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a list of integer token ids (got {tokens!r:.80})") from None
+        bad = [t for t in out if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {self.n_vocab})")
+        return out
+
+    # contexts
+
+    def context(self, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_threads: int | None = None,
+                flash_attn: str = "auto") -> "Context":
+        return Context(self, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, flash_attn=flash_attn)
+
+
+class Context:
+    """A llama.cpp context (KV cache and compute buffers) of one sequence.
+
+    llama.cpp caps n_batch at n_ctx and n_ubatch at n_batch; the attributes say what it uses.
+    """
+
+    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
+                 n_threads: int | None = None, flash_attn: str = "auto"):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
+        n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
+        n_batch = _check_int("n_batch", n_batch, minimum=1, what=" > 0")
+        n_ubatch = _check_int("n_ubatch", n_ubatch, minimum=1, maximum=n_batch, what=f" in [1, n_batch={n_batch}]")
+        if n_threads is None:
+            n_threads = physical_cores()
+        n_threads = _check_int("n_threads", n_threads, minimum=1, what=" > 0 (or None for the physical cores)")
+        if flash_attn is True or flash_attn is False:
+            flash_attn = "on" if flash_attn else "off"
+        if flash_attn not in FLASH_ATTN_VALUES:
+            raise ValueError(f"flash_attn must be one of {', '.join(repr(v) for v in FLASH_ATTN_VALUES)} (got {flash_attn!r})")
+        self.model = model
+        self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
+                                  flash_attn=flash_attn)
+        self.n_ctx = self._c.n_ctx
+        self.n_batch = self._c.n_batch
+        self.n_ubatch = self._c.n_ubatch
+        self.n_threads = self._c.n_threads
+        self.flash_attn = flash_attn
+        self.moe_layers: list[int] | None = None  # layer index of each trace_routing column, after a trace
+
+    def __repr__(self) -> str:
+        return (f"moecache.Context(n_ctx={self.n_ctx}, n_batch={self.n_batch}, n_ubatch={self.n_ubatch}, "
+                f"n_threads={self.n_threads}, flash_attn={self.flash_attn!r})")
+
+    def reset(self) -> None:
+        """Clear the KV cache."""
+        self._c.reset()
+
+    def _prompt_tokens(self, prompt, name: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            # as llama-server's /completion: special tokens added and parsed
+            tokens = self.model.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            tokens = self.model._tokens(prompt, name)
+        if not tokens:
+            raise ValueError(f"{name} is empty")
+        return tokens
+
+    def generate(self, prompt, max_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0,
+                 top_k: int = 40, top_p: float = 0.95, stop: str | Sequence[str] | None = None) -> Generation:
+        """Generate from a cleared KV cache. `prompt` is a str (tokenized as llama-server's
+        /completion does) or a list of token ids. temperature 0 is greedy (top_k, top_p and seed do
+        not matter then); otherwise top_k -> top_p -> temperature -> a random draw seeded by `seed`
+        (None = a random seed). Stops at an end-of-generation token, a stop string (cut from the
+        text), max_tokens, or a full context."""
+        tokens = self._prompt_tokens(prompt)
+        max_tokens = _check_int("max_tokens", max_tokens, minimum=0, what=" >= 0")
+        temperature = _check_float("temperature", temperature, " >= 0 (0 = greedy)")
+        if not temperature >= 0.0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy) (got {temperature})")
+        top_k = _check_int("top_k", top_k, minimum=0, what=" >= 0 (0 = off)")
+        top_p = _check_float("top_p", top_p, " in (0, 1]")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1] (got {top_p})")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        seed = _check_int("seed", seed, minimum=0, maximum=2**32 - 1, what=" in [0, 2**32) or None")
+        if stop is None:
+            stops = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        else:
+            stops = list(stop)
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a non-empty string or a list of them (got {s!r})")
+        if len(tokens) >= self.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, the context holds {self.n_ctx}: "
+                             "make a context with a larger n_ctx")
+        r = self._c.generate(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, top_k=top_k,
+                             top_p=top_p, stop=[s.encode("utf-8") for s in stops])
+        prefill_s, decode_s = r["prefill_s"], r["decode_s"]
+        timings = {
+            "prefill_tokens": r["prefill_tokens"],
+            "prefill_s": prefill_s,
+            "prefill_tps": r["prefill_tokens"] / prefill_s if prefill_s > 0 else 0.0,
+            "decode_tokens": r["decode_tokens"],
+            "decode_s": decode_s,
+            "decode_tps": r["decode_tokens"] / decode_s if decode_s > 0 else 0.0,
+        }
+        return Generation(
+            tokens=list(r["tokens"]),
+            text=r["text"].decode("utf-8", errors="replace"),
+            prompt_tokens=len(tokens),
+            finish_reason=r["finish_reason"],
+            timings=timings,
+        )
+
+    def trace_routing(self, tokens):
+        """The experts every MoE layer selects for each token: an int32 numpy array of shape
+        (n_tokens, n_moe_layers, n_expert_used), the top-k ids in the model's order (best first).
+        Runs the tokens from a cleared KV cache of a separate tracing context (the recording slows
+        the graph down, so the generation context never carries it). A str is tokenized as in
+        generate. Only MoE layers are columns; `self.moe_layers` gives their layer indices."""
+        tokens = self._prompt_tokens(tokens, "tokens")
+        if len(tokens) > self.n_ctx:
+            raise ValueError(f"{len(tokens)} tokens do not fit in n_ctx={self.n_ctx}: trace in pieces or use a larger context")
+        ids, layers = self._c.trace_routing(tokens)
+        self.moe_layers = list(layers)
+        return ids
