@@ -1,0 +1,964 @@
+"""`moecache synth`: synthetic MoE GGUF models with real shapes, a real tokenizer and token-driven routing.
+
+The weights are random, but built so that expert routing behaves like a trained MoE's on real
+text: it follows token identity, so usage is skewed (frequent tokens pull their experts up) and
+bursty (repeated tokens reuse their experts).
+
+How the routing is made to follow tokens:
+
+* every vocabulary token belongs to a cluster (a seeded hash of its id); its embedding is the
+  cluster's centroid (orthonormal directions, scaled to entries of about 1) plus noise;
+* the residual updates are small (attn_output and ffn_down_exps have small scales), so the hidden
+  state of every layer stays close to the token's embedding;
+* each layer draws a cluster -> preferred experts map (biased by a per-layer expert popularity)
+  and its router rows (ffn_gate_inp, F32) are sums of the centroids of the clusters that prefer
+  the expert, scaled by ``routing_strength``, plus a random part. At strength 0 the router is
+  purely random.
+
+Large tensors (attention, experts, output) are written as random quantized blocks with a chosen
+scale, chunked and in parallel, so the 30B preset needs no giant float arrays. K-quants are made
+by writing F16 (or Q8_0 for big models) first and running the built ``llama-quantize``.
+
+``moecache synth --stats MODEL`` runs real text through a model and reports, per MoE layer, the
+experts touched, the share of routings held by the top 10% / 25% of experts and the reuse of a
+token's experts within the previous 8 / 64 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from . import gguf
+from .gguf import GGMLType, ValueType
+
+ARCH = "qwen3moe"
+SYNTH_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Hyperparameters of a synthetic qwen3moe model."""
+
+    name: str
+    description: str
+    n_layer: int
+    n_embd: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff: int  # dense FFN length (qwen3moe has no dense layers; stored as upstream does)
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ctx_train: int
+    rope_freq_base: float = 1_000_000.0
+    rms_eps: float = 1e-6
+    n_vocab: int = 151936  # the qwen2 tokenizer
+    tokenizer: str = "qwen2"
+
+    @property
+    def n_clusters(self) -> int:
+        """Token clusters: 4 per expert, at most n_embd (so the centroids can be orthonormal)."""
+        return max(1, min(4 * self.n_expert, self.n_embd))
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny", description="for tests: 4 layers, d_model 64, 16 experts (top-4), ~27 MB at q8_0",
+        n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=256,
+        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096),
+    "demo": Preset(
+        name="demo", description="for moecache-server --demo: 8 layers, d_model 256, 32 experts (top-4), ~140 MB at q8_0",
+        n_layer=8, n_embd=256, n_expert=32, n_expert_used=4, n_ff_exp=256, n_ff=1024,
+        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=8192),
+    "qwen3-30b-a3b": Preset(
+        name="qwen3-30b-a3b",
+        description="the real Qwen3-30B-A3B shapes: 48 layers, d_model 2048, 128 experts (top-8), expert FFN 768; "
+                    "~16 GiB at q4_0, ~30 GiB at q8_0",
+        n_layer=48, n_embd=2048, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ff=6144,
+        n_head=32, n_head_kv=4, head_dim=128, n_ctx_train=40960),
+}
+
+# quant types written directly, and general.file_type (enum llama_ftype) of each
+DIRECT_QUANTS: dict[str, tuple[GGMLType, int]] = {
+    "q8_0": (GGMLType.Q8_0, 7),
+    "q4_0": (GGMLType.Q4_0, 2),
+    "f16": (GGMLType.F16, 1),
+    "f32": (GGMLType.F32, 0),
+}
+# quant types made by the built llama-quantize from an F16 / Q8_0 file (no importance matrix needed)
+QUANTIZE_QUANTS = ("q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
+                   "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+ALL_QUANTS = tuple(DIRECT_QUANTS) + QUANTIZE_QUANTS
+
+# F16 intermediates up to this size; bigger models go through Q8_0 (--allow-requantize)
+F16_INTERMEDIATE_LIMIT = 4 << 30
+
+# --- scales (see the module docstring) ----------------------------------------------------------
+EMBED_CENTROID_WEIGHT = 0.8  # |centroid part| / |embedding|; the rest is per-token noise
+ROUTER_GAIN = 5.0  # logit bonus of a cluster's first preferred expert at routing_strength 1
+ROUTER_NOISE = 1.0  # std of the random part of the router logits
+EXPERT_POPULARITY_SIGMA = 0.7  # log-normal spread of how many clusters prefer each expert
+RESIDUAL_DRIFT = 0.3  # relative norm of all residual updates of the model together
+OUTPUT_LOGIT_STD = 2.0
+SWIGLU_STD = 0.6  # std of silu(g) * u for g, u ~ N(0, 1)
+
+CHUNK_BYTES = 8 << 20
+
+
+class SynthError(RuntimeError):
+    """A synthetic model cannot be written or analysed; the message names the problem and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: every tensor, its shape, type and how it is filled
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # ggml order (ne[0] first)
+    type: GGMLType
+    init: str  # "ones" | "embed" | "router" | "random"
+    std: float = 0.0
+    layer: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return gguf.tensor_nbytes(self.shape, self.type)
+
+
+def get_preset(preset: str | Preset) -> Preset:
+    if isinstance(preset, Preset):
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise SynthError(f"unknown preset {preset!r}. Presets: {', '.join(PRESETS)}") from None
+
+
+def residual_scale(p: Preset) -> float:
+    """Relative size of one residual update (2 per layer) so that all of them together drift ~RESIDUAL_DRIFT."""
+    return RESIDUAL_DRIFT / math.sqrt(2 * p.n_layer)
+
+
+def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0) -> list[TensorSpec]:
+    """The tensors of a model, in file order, without writing anything."""
+    p = get_preset(preset)
+    wt = GGMLType(weight_type)
+    n_q = p.n_head * p.head_dim
+    n_kv = p.n_head_kv * p.head_dim
+    eps = residual_scale(p)
+    f32 = GGMLType.F32
+    specs = [
+        TensorSpec("token_embd.weight", (p.n_embd, p.n_vocab), wt, "embed"),
+        TensorSpec("output_norm.weight", (p.n_embd,), f32, "ones"),
+        TensorSpec("output.weight", (p.n_embd, p.n_vocab), wt, "random", OUTPUT_LOGIT_STD / math.sqrt(p.n_embd)),
+    ]
+    in_std = 1.0 / math.sqrt(p.n_embd)
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        specs += [
+            TensorSpec(b + "attn_norm.weight", (p.n_embd,), f32, "ones", layer=i),
+            TensorSpec(b + "attn_q.weight", (p.n_embd, n_q), wt, "random", in_std, i),
+            TensorSpec(b + "attn_k.weight", (p.n_embd, n_kv), wt, "random", in_std, i),
+            TensorSpec(b + "attn_v.weight", (p.n_embd, n_kv), wt, "random", in_std, i),
+            TensorSpec(b + "attn_output.weight", (n_q, p.n_embd), wt, "random", eps / math.sqrt(n_q), i),
+            TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), f32, "ones", layer=i),
+            TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), f32, "ones", layer=i),
+            TensorSpec(b + "ffn_norm.weight", (p.n_embd,), f32, "ones", layer=i),
+            TensorSpec(b + "ffn_gate_inp.weight", (p.n_embd, p.n_expert), f32, "router", layer=i),
+            TensorSpec(b + "ffn_gate_exps.weight", (p.n_embd, p.n_ff_exp, p.n_expert), wt, "random", in_std, i),
+            TensorSpec(b + "ffn_up_exps.weight", (p.n_embd, p.n_ff_exp, p.n_expert), wt, "random", in_std, i),
+            TensorSpec(b + "ffn_down_exps.weight", (p.n_ff_exp, p.n_embd, p.n_expert), wt, "random",
+                       eps / (SWIGLU_STD * math.sqrt(p.n_ff_exp)), i),
+        ]
+    return specs
+
+
+def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
+    """The model KVs (everything but the tokenizer), in file order."""
+    U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
+    a = ARCH
+    return [
+        ("general.architecture", a, STR),
+        ("general.name", f"moecache synthetic {p.name} (random weights)", STR),
+        ("general.description", "Synthetic MoE model written by `moecache synth`: real shapes and tokenizer, "
+                                "random weights, routing that follows token identity. Its text output is noise.", STR),
+        ("general.file_type", file_type, U32),
+        (f"{a}.block_count", p.n_layer, U32),
+        (f"{a}.context_length", p.n_ctx_train, U32),
+        (f"{a}.embedding_length", p.n_embd, U32),
+        (f"{a}.feed_forward_length", p.n_ff, U32),
+        (f"{a}.expert_feed_forward_length", p.n_ff_exp, U32),
+        (f"{a}.expert_count", p.n_expert, U32),
+        (f"{a}.expert_used_count", p.n_expert_used, U32),
+        (f"{a}.attention.head_count", p.n_head, U32),
+        (f"{a}.attention.head_count_kv", p.n_head_kv, U32),
+        (f"{a}.attention.key_length", p.head_dim, U32),
+        (f"{a}.attention.value_length", p.head_dim, U32),
+        (f"{a}.attention.layer_norm_rms_epsilon", p.rms_eps, F32),
+        (f"{a}.rope.freq_base", p.rope_freq_base, F32),
+        ("moecache.synth.version", SYNTH_VERSION, U32),
+        ("moecache.synth.preset", p.name, STR),
+        ("moecache.synth.seed", seed, U32),
+        ("moecache.synth.routing_strength", routing_strength, F32),
+        ("moecache.synth.n_clusters", p.n_clusters, U32),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the routing structure
+
+
+@dataclass
+class Structure:
+    """What makes routing follow tokens: clusters, centroids, and each layer's preferred experts."""
+
+    centroids: np.ndarray  # (n_clusters, n_embd) float32, orthonormal rows (unit length)
+    token_cluster: np.ndarray  # (n_vocab,) int32
+    preferred: np.ndarray  # (n_layer, n_clusters, n_expert_used) int32: a cluster's preferred experts, best first
+
+
+def make_structure(p: Preset, seed: int) -> Structure:
+    rng = np.random.default_rng([seed, 0x5EED, 1])
+    k = p.n_clusters
+    g = rng.standard_normal((k, p.n_embd))
+    if p.n_embd <= 256:
+        # small models: exactly orthonormal centroids (signs fixed so that the result is unique)
+        q, r = np.linalg.qr(g.T)
+        g = (q * np.sign(np.diag(r))[None, :]).T
+    # big models: random directions are already orthogonal up to ~1/sqrt(n_embd); no LAPACK needed
+    centroids = np.ascontiguousarray(g / np.linalg.norm(g, axis=1, keepdims=True), dtype=np.float32)
+    token_cluster = rng.integers(0, k, size=p.n_vocab, dtype=np.int64).astype(np.int32)
+    preferred = np.empty((p.n_layer, k, p.n_expert_used), dtype=np.int32)
+    for il in range(p.n_layer):
+        # each cluster draws its preferred experts without replacement, with probability proportional to
+        # the layer's expert popularity (Gumbel top-k: the k largest log(p) + Gumbel noise)
+        log_pop = rng.normal(0.0, EXPERT_POPULARITY_SIGMA, size=p.n_expert)
+        keys = log_pop[None, :] + rng.gumbel(size=(k, p.n_expert))
+        preferred[il] = np.argsort(-keys, axis=1, kind="stable")[:, :p.n_expert_used]
+    return Structure(centroids, token_cluster, preferred)
+
+
+def router_weights(p: Preset, st: Structure, layer: int, seed: int, routing_strength: float) -> np.ndarray:
+    """Router of one layer as a numpy (n_expert, n_embd) float32 array (ggml shape {n_embd, n_expert})."""
+    rng = np.random.default_rng([seed, 0x5EED, 2, layer])
+    n = p.n_embd
+    w = rng.standard_normal((p.n_expert, n)).astype(np.float64) * (ROUTER_NOISE / math.sqrt(n))
+    if routing_strength != 0.0:
+        ku = p.n_expert_used
+        bonus = 1.0 - 0.5 * np.arange(ku) / ku  # best preferred expert gets the full gain
+        # expert e's row += bonus * centroid of every cluster that prefers e (no BLAS: same bytes everywhere)
+        # logit_e = u . w_e with |u| ~ sqrt(n): the aligned part adds gain * bonus * cos(u, centroid)
+        aligned = np.zeros_like(w)
+        cent = st.centroids.astype(np.float64)
+        for c in range(p.n_clusters):  # a cluster's preferred experts are distinct: plain fancy-index add
+            aligned[st.preferred[layer, c]] += bonus[:, None] * cent[c][None, :]
+        w += (ROUTER_GAIN * routing_strength / math.sqrt(n)) * aligned
+    return w.astype(np.float32)
+
+
+def embedding_rows(p: Preset, st: Structure, seed: int, r0: int, r1: int) -> np.ndarray:
+    """Float32 embeddings of tokens r0..r1-1: centroid (entries ~1) plus noise."""
+    rng = np.random.default_rng([seed, 0x5EED, 3, r0])
+    n = p.n_embd
+    a = EMBED_CENTROID_WEIGHT
+    b = math.sqrt(1.0 - a * a)
+    cent = st.centroids[st.token_cluster[r0:r1]] * np.float32(a * math.sqrt(n))
+    noise = rng.standard_normal((r1 - r0, n), dtype=np.float32) * np.float32(b)
+    return cent + noise
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _random_raw_blocks(rng: np.random.Generator, n_blocks: int, wt: GGMLType, std: float) -> np.ndarray:
+    """Like gguf.random_blocks, but with the generator's raw 64-bit output (several times faster)."""
+    if wt not in (GGMLType.Q8_0, GGMLType.Q4_0):
+        return gguf.random_blocks(rng, n_blocks, wt, std)
+    bsize = gguf.BLOCK_SIZES[wt][1]
+    nbytes = n_blocks * bsize
+    raw = rng.bit_generator.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes].reshape(n_blocks, bsize)
+    unit = gguf.Q8_0_RANDOM_STD if wt == GGMLType.Q8_0 else gguf.Q4_0_RANDOM_STD
+    raw[:, 0:2] = np.frombuffer(np.float16(std / unit).tobytes(), dtype=np.uint8)
+    return raw
+
+
+def _chunk_jobs(p: Preset, st: Structure, spec: TensorSpec, index: int, seed: int,
+                routing_strength: float) -> list[Callable[[], np.ndarray]]:
+    """Callables that produce a tensor's bytes in order, each one deterministic on its own."""
+    if spec.init == "ones":
+        return [lambda: np.ones(spec.shape[0], dtype="<f4").view(np.uint8)]
+    if spec.init == "router":
+        return [lambda: router_weights(p, st, spec.layer, seed, routing_strength).reshape(-1).view(np.uint8)]
+    if spec.init == "embed":
+        n_rows = spec.shape[1]
+        rows = embed_chunk_rows(p)
+        return [(lambda r0=r0: gguf.quantize(embedding_rows(p, st, seed, r0, min(r0 + rows, n_rows)), spec.type))
+                for r0 in range(0, n_rows, rows)]
+    if spec.init == "random":
+        block, bsize = gguf.BLOCK_SIZES[spec.type]
+        n_blocks = int(np.prod(spec.shape)) // block
+        per = max(1, CHUNK_BYTES // bsize)
+        return [(lambda c=c, b0=b0: _random_raw_blocks(np.random.default_rng([seed, 0x5EED, 4, index, c]),
+                                                       min(per, n_blocks - b0), spec.type, spec.std))
+                for c, b0 in enumerate(range(0, n_blocks, per))]
+    raise AssertionError(spec.init)
+
+
+def _ordered(jobs: Iterable[Callable[[], np.ndarray]], pool: cf.Executor, window: int) -> Iterator[np.ndarray]:
+    """Run jobs in the pool, at most `window` ahead, and yield their results in order."""
+    pending: deque[cf.Future] = deque()
+    it = iter(jobs)
+    try:
+        for job in it:
+            pending.append(pool.submit(job))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+
+
+def tokenizer_kvs(tokenizer: str = "qwen2") -> list[gguf.KV]:
+    from .paths import vocab_file
+
+    try:
+        path = vocab_file(tokenizer)
+    except FileNotFoundError as e:
+        raise SynthError(f"the {tokenizer} tokenizer is needed for a synthetic model: {e}") from None
+    return gguf.read_tokenizer_kvs(path)
+
+
+def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, routing_strength: float,
+                threads: int, progress: bool) -> None:
+    from ._progress import Progress
+
+    tok = tokenizer_kvs(p.tokenizer)
+    n_tokens = next((len(kv.value) for kv in tok if kv.key == "tokenizer.ggml.tokens"), None)
+    if n_tokens != p.n_vocab:
+        raise SynthError(f"the {p.tokenizer} vocab file has {n_tokens} tokens but preset {p.name} needs {p.n_vocab}; "
+                         "reinstall moecache (its vocab files come from the pinned llama.cpp tree)")
+    specs = plan_tensors(p, wt)
+    st = make_structure(p, seed)
+    w = gguf.GGUFWriter(out)
+    for key, value, vtype in plan_kvs(p, file_type, seed, routing_strength):
+        w.add(key, value, vtype)
+    for kv in tok:
+        w.add_kv(kv)
+    for s in specs:
+        w.add_tensor_info(s.name, s.shape, s.type)
+    total = sum(s.nbytes for s in specs)
+    mib = 1 << 20
+    bar = Progress(max(1, total // mib), f"synth {p.name} {wt.name.lower()}", unit="MiB", enabled=progress)
+    done = 0
+    try:
+        w.write_header()
+        with cf.ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            for i, s in enumerate(specs):
+                def counted(chunks):
+                    nonlocal done
+                    for c in chunks:
+                        yield c
+                        before = done // mib
+                        done += c.nbytes
+                        if done // mib > before:
+                            bar.update(done // mib - before)
+                w.write_tensor_data(s.name, counted(_ordered(_chunk_jobs(p, st, s, i, seed, routing_strength),
+                                                             pool, 2 * max(1, threads))))
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def _quantize_binary(quant: str) -> Path:
+    from . import paths
+
+    try:
+        return paths.binary("llama-quantize")
+    except FileNotFoundError as e:
+        raise SynthError(f"--quant {quant} is made with llama-quantize, which is not available: {e} "
+                         f"Or write {'/'.join(DIRECT_QUANTS)} directly.") from None
+
+
+def _run_quantize(src: Path, dst: Path, quant: str, requantize: bool, threads: int) -> None:
+    exe = _quantize_binary(quant)
+    cmd = [str(exe)] + (["--allow-requantize"] if requantize else []) + [str(src), str(dst), quant.upper(),
+                                                                        str(max(1, threads))]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    if proc.returncode != 0 or not dst.is_file():
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise SynthError(f"llama-quantize failed (exit {proc.returncode}) making {quant}:\n{tail}")
+
+
+def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: str = "q8_0", seed: int = 0,
+                routing_strength: float = 1.0, progress: bool = True, threads: int | None = None,
+                overwrite: bool = True) -> Path:
+    """Write a synthetic qwen3moe model to `path` and return it.
+
+    The file appears only when complete: it is written to a temporary file next to `path` and
+    renamed at the end (also on error or Ctrl-C nothing partial is left). Same arguments, same bytes.
+    """
+    p = get_preset(preset)
+    quant = quant.lower()
+    if quant not in ALL_QUANTS:
+        raise SynthError(f"unknown quant {quant!r}. Written directly: {', '.join(DIRECT_QUANTS)}; "
+                         f"via llama-quantize: {', '.join(QUANTIZE_QUANTS)}")
+    if not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise SynthError(f"seed must be an integer in 0..2**32-1, got {seed!r}")
+    if not (math.isfinite(routing_strength) and 0.0 <= routing_strength <= 10.0):
+        raise SynthError(f"routing strength must be in 0..10 (0 = random router, 1 = default), got {routing_strength}")
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise SynthError(f"{path} exists; pass --force to overwrite it")
+    if not path.parent.is_dir():
+        raise SynthError(f"folder {path.parent} does not exist; create it first")
+    threads = threads or os.cpu_count() or 1
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; a model file is ordinary data
+    inter: Path | None = None
+    try:
+        if quant in DIRECT_QUANTS:
+            wt, ftype = DIRECT_QUANTS[quant]
+            _write_gguf(tmp, p, wt, ftype, seed, routing_strength, threads, progress)
+        else:
+            _quantize_binary(quant)  # fail before writing the intermediate file
+            f16_size = sum(s.nbytes for s in plan_tensors(p, GGMLType.F16))
+            wt, ftype = DIRECT_QUANTS["f16" if f16_size <= F16_INTERMEDIATE_LIMIT else "q8_0"]
+            fd, inter_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".{wt.name.lower()}.partial",
+                                              dir=path.parent)
+            os.close(fd)
+            inter = Path(inter_name)
+            _write_gguf(inter, p, wt, ftype, seed, routing_strength, threads, progress)
+            if progress:
+                print(f"synth: llama-quantize {wt.name} -> {quant.upper()} ...", file=sys.stderr, flush=True)
+            _run_quantize(inter, tmp, quant, wt != GGMLType.F16, threads)
+        os.replace(tmp, path)
+    finally:
+        for t in (tmp, inter):
+            if t is not None and t.exists():
+                t.unlink()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# routing statistics
+
+
+def _reuse(sel_layer: np.ndarray, n_expert: int, window: int) -> float:
+    """Mean over tokens t >= 1 of the fraction of t's experts also selected in tokens t-window..t-1."""
+    t_n, k = sel_layer.shape
+    if t_n < 2:
+        return float("nan")
+    valid = (sel_layer >= 0) & (sel_layer < n_expert)
+    onehot = np.zeros((t_n, n_expert), dtype=bool)
+    rows = np.repeat(np.arange(t_n), k)
+    onehot[rows[valid.reshape(-1)], sel_layer.reshape(-1)[valid.reshape(-1)]] = True
+    idx = np.where(onehot, np.arange(t_n)[:, None], -(1 << 40))
+    last = np.maximum.accumulate(idx, axis=0)  # last selection at or before t
+    prev = np.vstack([np.full((1, n_expert), -(1 << 40)), last[:-1]])  # last selection before t
+    safe = np.where(valid, sel_layer, 0)
+    gap = np.arange(t_n)[:, None] - np.take_along_axis(prev, safe, axis=1)
+    hit = (gap <= window) & valid
+    n_sel = valid.sum(axis=1)
+    frac = np.divide(hit.sum(axis=1), n_sel, out=np.zeros(t_n), where=n_sel > 0)
+    return float(frac[1:][n_sel[1:] > 0].mean()) if (n_sel[1:] > 0).any() else float("nan")
+
+
+def routing_stats(trace: np.ndarray, n_expert: int) -> dict:
+    """Statistics of a routing trace of shape (n_tokens, n_moe_layers, n_expert_used) (expert ids; < 0 = none).
+
+    Per layer: experts touched; the share of routings held by the top 10% and top 25% of experts
+    (by count; uniform usage gives ~0.10 / ~0.25); reuse within 8 / 64 tokens (mean over tokens of
+    the fraction of a token's experts that the same layer also selected within the previous 8 / 64
+    tokens). ``total`` has the means over layers (and min/max of experts touched).
+    """
+    trace = np.asarray(trace)
+    if trace.ndim != 3:
+        raise ValueError(f"trace must have shape (n_tokens, n_layers, n_expert_used), got {trace.shape}")
+    if n_expert <= 0:
+        raise ValueError("n_expert must be positive")
+    n_tok, n_layer, k = trace.shape
+    top10 = max(1, math.ceil(0.10 * n_expert))
+    top25 = max(1, math.ceil(0.25 * n_expert))
+    layers = []
+    for il in range(n_layer):
+        sel = trace[:, il, :].astype(np.int64)
+        ids = sel[(sel >= 0) & (sel < n_expert)]
+        counts = np.bincount(ids, minlength=n_expert)
+        ranked = np.sort(counts)[::-1]
+        n = max(int(counts.sum()), 1)
+        layers.append({
+            "layer": il,
+            "routings": int(counts.sum()),
+            "experts_touched": int((counts > 0).sum()),
+            "top10_share": float(ranked[:top10].sum() / n),
+            "top25_share": float(ranked[:top25].sum() / n),
+            "max_share": float(ranked[0] / n),
+            "reuse8": _reuse(sel, n_expert, 8),
+            "reuse64": _reuse(sel, n_expert, 64),
+        })
+
+    def mean(key):
+        vals = [l[key] for l in layers if not math.isnan(l[key])]
+        return float(np.mean(vals)) if vals else float("nan")
+
+    total = {
+        "experts_touched_mean": mean("experts_touched"),
+        "experts_touched_min": min((l["experts_touched"] for l in layers), default=0),
+        "experts_touched_max": max((l["experts_touched"] for l in layers), default=0),
+        "top10_share": mean("top10_share"),
+        "top25_share": mean("top25_share"),
+        "max_share": mean("max_share"),
+        "reuse8": mean("reuse8"),
+        "reuse64": mean("reuse64"),
+    }
+    return {"n_tokens": int(n_tok), "n_layers": int(n_layer), "n_expert": int(n_expert),
+            "n_expert_used": int(k), "top10_experts": top10, "top25_experts": top25,
+            "layers": layers, "total": total}
+
+
+# ---------------------------------------------------------------------------------------------
+# a numpy reference of the routing, and a small byte-level BPE tokenizer for it
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The GPT-2 byte -> printable character map of byte-level BPE vocabularies."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    mapping = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+# the qwen2 pre-tokenizer regex with \p{L} ~ [^\W\d_] and \p{N} ~ \d (Python's re has no \p{..})
+_QWEN2_SPLIT = re.compile(
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+    r"|(?:[^\r\n\w]|_)?[^\W\d_]+"
+    r"|\d"
+    r"| ?(?:[^\s\w]|_)+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+")
+
+
+class BPETokenizer:
+    """A byte-level BPE tokenizer from GGUF tokenizer KVs (the qwen2 pre-tokenizer), for the numpy reference.
+
+    It follows llama.cpp's tokenizer for ordinary text (letters, digits, punctuation, whitespace);
+    for exotic Unicode it may split differently. The real path (`moecache.Model.tokenize`) is
+    used wherever the compiled module is available.
+    """
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], token_types: np.ndarray | None = None):
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self.ranks = {}
+        for i, m in enumerate(merges):
+            a, _, b = m.partition(" ")
+            self.ranks[(a, b)] = i
+        self.byte_map = _bytes_to_unicode()
+        specials = []
+        if token_types is not None:
+            specials = [t for t, ty in zip(tokens, token_types) if ty in (3, 4) and t]  # CONTROL, USER_DEFINED
+        self._special = re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True))
+                                   + ")") if specials else None
+        self._cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "BPETokenizer":
+        with gguf.GGUFReader(path) as r:
+            if r.get("tokenizer.ggml.model") != "gpt2":
+                raise SynthError(f"{path}: the reference tokenizer handles byte-level BPE (gpt2) vocabularies only")
+            return cls(r["tokenizer.ggml.tokens"], r["tokenizer.ggml.merges"], r.get("tokenizer.ggml.token_type"))
+
+    def _bpe(self, word: str) -> list[int]:
+        hit = self._cache.get(word)
+        if hit is not None:
+            return hit
+        parts = [self.byte_map[b] for b in word.encode("utf-8")]
+        while len(parts) > 1:
+            best, best_rank = -1, None
+            for i in range(len(parts) - 1):
+                r = self.ranks.get((parts[i], parts[i + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best, best_rank = i, r
+            if best < 0:
+                break
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        ids = []
+        for s in parts:
+            if s in self.vocab:
+                ids.append(self.vocab[s])
+            else:  # cannot happen with a complete byte-level vocabulary; keep going byte by byte
+                ids.extend(self.vocab[c] for c in s if c in self.vocab)
+        self._cache[word] = ids
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        pieces = self._special.split(text) if self._special else [text]
+        out: list[int] = []
+        for j, piece in enumerate(pieces):
+            if not piece:
+                continue
+            if self._special and j % 2 == 1:
+                out.append(self.vocab[piece])
+                continue
+            for m in _QWEN2_SPLIT.finditer(piece):
+                out.extend(self._bpe(m.group(0)))
+        return out
+
+
+@lru_cache(maxsize=4)
+def reference_tokenizer(tokenizer: str = "qwen2") -> BPETokenizer:
+    from .paths import vocab_file
+
+    return BPETokenizer.from_gguf(vocab_file(tokenizer))
+
+
+def embed_chunk_rows(p: Preset) -> int:
+    """Rows of token_embd per generated chunk (an embedding's noise depends on its chunk)."""
+    return max(1, (CHUNK_BYTES // 4) // p.n_embd)
+
+
+def predicted_trace(preset: str | Preset, tokens: Sequence[int], seed: int = 0,
+                    routing_strength: float = 1.0) -> np.ndarray:
+    """The routing that a model of `preset` would get, from the float weights before quantization, without
+    writing the model (e.g. for the qwen3-30b-a3b preset). Same approximation as reference_trace."""
+    p = get_preset(preset)
+    st = make_structure(p, seed)
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= p.n_vocab):
+        raise ValueError(f"token ids must be in 0..{p.n_vocab - 1}")
+    rows = embed_chunk_rows(p)
+    x = np.empty((len(ids), p.n_embd), dtype=np.float64)
+    for chunk in np.unique(ids // rows):
+        r0 = int(chunk) * rows
+        emb = embedding_rows(p, st, seed, r0, min(r0 + rows, p.n_vocab))
+        sel = np.nonzero(ids // rows == chunk)[0]
+        x[sel] = emb[ids[sel] - r0]
+    x = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + p.rms_eps)
+    out = np.empty((len(ids), p.n_layer, p.n_expert_used), dtype=np.int32)
+    for il in range(p.n_layer):
+        logits = x @ router_weights(p, st, il, seed, routing_strength).astype(np.float64).T
+        out[:, il, :] = np.argsort(-logits, axis=1, kind="stable")[:, :p.n_expert_used]
+    return out
+
+
+def reference_trace(path: str | os.PathLike, tokens: Sequence[int]) -> np.ndarray:
+    """Routing predicted from the weights in a GGUF: embedding -> RMS norm -> router -> top-k, per layer.
+
+    It ignores attention and the (small) residual updates, so it matches the real routing of the
+    first layer closely and drifts a little with depth. Returns int32 (n_tokens, n_layers, n_expert_used).
+    Needs token_embd in F32/F16/BF16/Q8_0/Q4_0 (not K-quants).
+    """
+    with gguf.GGUFReader(path) as r:
+        arch = r["general.architecture"]
+        n_layer = int(r[f"{arch}.block_count"])
+        k = int(r[f"{arch}.expert_used_count"])
+        eps = float(r.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6))
+        ids = np.asarray(tokens, dtype=np.int64)
+        try:
+            x = r.tensor_rows("token_embd.weight", ids).astype(np.float64)
+        except gguf.GGUFError as e:
+            raise SynthError(f"{path}: the reference cannot read token_embd ({e})") from None
+        x = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
+        out = np.empty((len(ids), n_layer, k), dtype=np.int32)
+        for il in range(n_layer):
+            norm = r.tensor_rows(f"blk.{il}.ffn_norm.weight").astype(np.float64)
+            w = r.tensor_rows(f"blk.{il}.ffn_gate_inp.weight").astype(np.float64)  # (n_expert, n_embd)
+            logits = (x * norm) @ w.T
+            top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+            out[:, il, :] = top
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# real text
+
+
+def default_texts() -> list[tuple[str, str]]:
+    """(name, text) of real text for statistics: benchmarks/prompts/*.txt|*.py in a checkout, else
+    the source of a few standard library modules."""
+    from .paths import REPO_ROOT
+
+    found = []
+    prompts = REPO_ROOT / "benchmarks" / "prompts"
+    if prompts.is_dir():
+        for f in sorted(prompts.rglob("*")):
+            if f.suffix in (".txt", ".py") and f.is_file():
+                try:
+                    found.append((str(f.relative_to(REPO_ROOT)), f.read_text(encoding="utf-8")))
+                except (OSError, UnicodeDecodeError):
+                    continue
+    if not found:
+        import argparse as _argparse
+        import inspect
+        import textwrap as _textwrap
+
+        found = [(f"stdlib:{m.__name__}", inspect.getsource(m)) for m in (_textwrap, _argparse)]
+    return found
+
+
+def _read_model_info(path: Path) -> dict:
+    with gguf.GGUFReader(path) as r:
+        arch = r.get("general.architecture")
+        if f"{arch}.expert_count" not in r.kv:
+            raise SynthError(f"{path}: architecture {arch} has no experts ({arch}.expert_count is missing)")
+        return {"arch": arch, "n_expert": int(r[f"{arch}.expert_count"]),
+                "n_expert_used": int(r[f"{arch}.expert_used_count"]), "n_layer": int(r[f"{arch}.block_count"]),
+                "n_ctx_train": int(r.get(f"{arch}.context_length", 4096)),
+                "synth": {k.split(".")[-1]: kv.value for k, kv in r.kv.items() if k.startswith("moecache.synth.")}}
+
+
+def _core_available() -> bool:
+    """Whether the compiled module (moecache._core) can be loaded."""
+    try:
+        import moecache
+
+        moecache.native_module()
+        return True
+    except Exception:
+        return False
+
+
+def stats_for_model(path: str | os.PathLike, text: str | None = None, max_tokens: int = 4096,
+                    backend: str = "auto", n_threads: int | None = None) -> dict:
+    """Run real text through a model and return routing_stats of its routing, plus where it came from.
+
+    backend: "core" (the compiled module: moecache.Model(...).context(...).trace_routing), "reference"
+    (the numpy prediction from the weights; synthetic-style models only), or "auto" (core when available).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SynthError(f"{path}: no such model file")
+    info = _read_model_info(path)
+    sources = ["(given text)"]
+    if text is None:
+        texts = default_texts()
+        sources = [name for name, _ in texts]
+        # an even share of every source (code and prose), at ~4 characters a token
+        budget = max(1, 4 * max_tokens // len(texts)) if max_tokens else None
+        text = "\n\n".join(t[:budget] for _, t in texts)
+    if backend == "auto":
+        backend = "core" if _core_available() else "reference"
+    if backend == "core":
+        import moecache
+
+        model = moecache.Model(str(path))
+        tokens = list(model.tokenize(text, add_special=False, parse_special=False))[:max_tokens]
+        if not tokens:
+            raise SynthError("the text is empty")
+        n_batch = min(max(len(tokens), 16), 2048)
+        kwargs = {"n_ctx": max(len(tokens), 16), "n_batch": n_batch, "n_ubatch": min(512, n_batch)}
+        if n_threads:
+            kwargs["n_threads"] = n_threads
+        ctx = model.context(**kwargs)
+        trace = np.asarray(ctx.trace_routing(tokens), dtype=np.int32)
+    elif backend == "reference":
+        tokens = reference_tokenizer().encode(text)[:max_tokens]
+        if not tokens:
+            raise SynthError("the text is empty")
+        trace = reference_trace(path, tokens)
+    else:
+        raise SynthError(f"unknown backend {backend!r} (auto, core, reference)")
+    stats = routing_stats(trace, info["n_expert"])
+    stats.update({"model": str(path), "backend": backend, "text_sources": sources, "synth": info["synth"]})
+    return stats
+
+
+def format_stats(stats: dict) -> str:
+    lines = [f"model: {stats.get('model', '?')}   routing from: {stats.get('backend', '?')}",
+             f"text: {', '.join(stats.get('text_sources', []))} ({stats['n_tokens']} tokens)",
+             f"experts: {stats['n_expert']} per layer, {stats['n_expert_used']} used per token; "
+             f"top 10% = {stats['top10_experts']} experts, top 25% = {stats['top25_experts']} "
+             f"(uniform usage: shares ~0.10 / ~0.25)",
+             "",
+             f"{'layer':>5} {'touched':>8} {'top10%':>8} {'top25%':>8} {'max':>7} {'reuse8':>8} {'reuse64':>8}"]
+    for l in stats["layers"]:
+        lines.append(f"{l['layer']:>5} {l['experts_touched']:>8} {l['top10_share']:>8.3f} {l['top25_share']:>8.3f} "
+                     f"{l['max_share']:>7.3f} {l['reuse8']:>8.3f} {l['reuse64']:>8.3f}")
+    t = stats["total"]
+    lines.append(f"{'all':>5} {t['experts_touched_mean']:>8.1f} {t['top10_share']:>8.3f} {t['top25_share']:>8.3f} "
+                 f"{t['max_share']:>7.3f} {t['reuse8']:>8.3f} {t['reuse64']:>8.3f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def _strength(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not (math.isfinite(v) and 0.0 <= v <= 10.0):
+        raise argparse.ArgumentTypeError(f"must be in 0..10 (0 = random router, 1 = default), got {s}")
+    return v
+
+
+def _seed(s: str) -> int:
+    try:
+        v = int(s, 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if not 0 <= v < 2**32:
+        raise argparse.ArgumentTypeError(f"must be in 0..4294967295, got {s}")
+    return v
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {s}")
+    return v
+
+
+def _preset_name(s: str) -> str:
+    if s not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {s!r}; presets: {', '.join(PRESETS)}")
+    return s
+
+
+def _quant_name(s: str) -> str:
+    if s.lower() not in ALL_QUANTS:
+        raise argparse.ArgumentTypeError(f"unknown quant {s!r}; written directly: {', '.join(DIRECT_QUANTS)}; "
+                                         f"via llama-quantize: {', '.join(QUANTIZE_QUANTS)}")
+    return s.lower()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    presets = "; ".join(f"{n}: {p.description}" for n, p in PRESETS.items())
+    ap = argparse.ArgumentParser(
+        prog="moecache synth",
+        description="Write a synthetic MoE GGUF (qwen3moe) with real shapes, the real qwen2 tokenizer and random "
+                    "weights whose expert routing follows token identity; or, with --stats, report the routing "
+                    "statistics of real text through a model.",
+        epilog="examples:\n  moecache synth tiny.gguf --preset tiny\n"
+               "  moecache synth big.gguf --preset qwen3-30b-a3b --quant q4_0\n"
+               "  moecache synth --stats tiny.gguf --json\n  moecache synth stats tiny.gguf --text README.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", metavar="OUT.gguf", help="the model file to write")
+    ap.add_argument("--preset", type=_preset_name, default="tiny", help=f"model shape (default tiny). {presets}")
+    ap.add_argument("--quant", type=_quant_name, default="q8_0",
+                    help=f"weight type (default q8_0). Written directly: {', '.join(DIRECT_QUANTS)}. "
+                         f"Made with the built llama-quantize: {', '.join(QUANTIZE_QUANTS)}")
+    ap.add_argument("--seed", type=_seed, default=0, help="random seed; the same seed gives the same bytes (default 0)")
+    ap.add_argument("--routing-strength", type=_strength, default=1.0,
+                    help="how strongly routing follows token identity: 0 = random router, 1 = default, up to 10")
+    ap.add_argument("--threads", type=_positive, default=None,
+                    help="worker threads for writing (default: all cores)")
+    ap.add_argument("--force", action="store_true", help="overwrite OUT.gguf if it exists")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--list-presets", action="store_true", help="list the presets and exit")
+    st = ap.add_argument_group("routing statistics")
+    st.add_argument("--stats", metavar="MODEL", help="report routing statistics of real text through MODEL "
+                                                     "(same as `moecache synth stats MODEL`)")
+    st.add_argument("--text", metavar="FILE", action="append", default=None,
+                    help="text file(s) to run (repeatable; default: benchmarks/prompts in a checkout, else the "
+                         "source of Python's textwrap and argparse modules)")
+    st.add_argument("--max-tokens", type=_positive, default=4096, help="tokens of text to run (default 4096)")
+    st.add_argument("--backend", choices=("auto", "core", "reference"), default="auto",
+                    help="where routing comes from: core = the model run by the compiled module; reference = "
+                         "the numpy prediction from the weights (synthetic models only); auto = core when built")
+    st.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    return ap
+
+
+def _stats_main(args, ap) -> int:
+    text = None
+    if args.text:
+        parts = []
+        for f in args.text:
+            try:
+                parts.append(Path(f).read_text(encoding="utf-8", errors="replace"))
+            except OSError as e:
+                ap.error(f"--text {f}: cannot read it ({e.strerror or e})")
+        text = "\n\n".join(parts)
+    try:
+        stats = stats_for_model(args.stats, text, max_tokens=args.max_tokens, backend=args.backend,
+                                n_threads=args.threads)
+    except (SynthError, gguf.GGUFError, FileNotFoundError) as e:
+        print(f"moecache synth: {e}", file=sys.stderr)
+        return 1
+    if args.text:
+        stats["text_sources"] = list(args.text)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    if argv and argv[0] == "stats":
+        argv = argv[1:]
+        if argv and not argv[0].startswith("-"):
+            argv = ["--stats", argv[0]] + argv[1:]
+        elif not any(a in ("-h", "--help") or a.startswith("--stats") for a in argv):
+            ap.error("stats needs a MODEL: moecache synth stats MODEL [--text FILE ...] [--json]")
+    args = ap.parse_args(argv)
+    if args.list_presets:
+        for n, p in PRESETS.items():
+            d = asdict(p)
+            size = sum(s.nbytes for s in plan_tensors(p, GGMLType.Q8_0)) / (1 << 20)
+            print(f"{n}: {p.description}\n    {d}\n    q8_0 size: {size:.0f} MiB")
+        return 0
+    if args.stats:
+        if args.out:
+            ap.error("give either OUT.gguf (write a model) or --stats MODEL (report statistics), not both")
+        return _stats_main(args, ap)
+    if not args.out:
+        ap.error("OUT.gguf is required (or --stats MODEL); see --help")
+    out = Path(args.out)
+    if out.suffix != ".gguf":
+        ap.error(f"OUT must end in .gguf, got {out}")
+    if out.exists() and not args.force:
+        print(f"moecache synth: {out} exists; pass --force to overwrite it", file=sys.stderr)
+        return 1
+    if out.is_dir():
+        ap.error(f"{out} is a folder")
+    try:
+        write_model(out, preset=args.preset, quant=args.quant, seed=args.seed,
+                    routing_strength=args.routing_strength, progress=not args.quiet, threads=args.threads)
+    except KeyboardInterrupt:
+        print("moecache synth: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except (SynthError, gguf.GGUFError, OSError) as e:
+        print(f"moecache synth: {e}", file=sys.stderr)
+        return 1
+    size = out.stat().st_size / (1 << 20)
+    print(f"wrote {out} ({size:.1f} MiB): synthetic {ARCH} '{args.preset}' {args.quant}, seed {args.seed}, "
+          f"routing strength {args.routing_strength} (random weights: the text it generates is noise)")
+    return 0
