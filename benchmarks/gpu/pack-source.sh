@@ -5,9 +5,9 @@
 # script can point MOECACHE_LLAMA_SRC at the unpacked tree and still pass the pin check.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-tree=$(python3 -c 'import sys; sys.path.insert(0, "src"); from moecache.build.upstream import pristine_tree; print(pristine_tree())')
+tree=$(python3 -c 'import sys; sys.path.insert(0, "src"); from moecache.orchestrator.upstream import pristine_tree; print(pristine_tree())')
 mkdir -p .carry
 (cd "$tree" && find . -path ./docs -prune -o -path ./media -prune -o -path ./models -prune \
-    -o -name .moecache-extracted -prune -o -type f -print; echo ./models/ggml-vocab-qwen2.gguf) \
+    -o -name .moecache-extracted -prune -o -path ./.git -prune -o -type f -print; echo ./models/ggml-vocab-qwen2.gguf) \
     | sort | tar -C "$tree" -czf .carry/llama-src.tar.gz --no-recursion -T -
 ls -la .carry/llama-src.tar.gz

@@ -15,7 +15,9 @@ mkdir -p "$out"
 phases=("$@")
 [ ${#phases[@]} -eq 0 ] && phases=(build test model bench)
 jobs=${JOBS:-$(nproc)}
-models=${MOECACHE_MODELS:-/tmp/moecache-models}
+# downloads, synthetic models: kept on the machine between calls
+export MOECACHE_CACHE_DIR=${MOECACHE_CACHE_DIR:-/tmp/moecache-cache}
+models=$MOECACHE_CACHE_DIR/models
 export PYTHONUNBUFFERED=1
 
 if [ -z "${MOECACHE_LLAMA_SRC:-}" ] && [ -f .carry/llama-src.tar.gz ]; then
@@ -50,10 +52,11 @@ while [ $i -lt ${#phases[@]} ]; do
         ;;
     model)
         mkdir -p "$models"
-        if [ ! -f "$models/qwen3-30b-a3b-q4_0.gguf" ]; then
+        # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" }
+        if [ ! -f "$models/qwen3-30b-a3b-q4_0-seed0.gguf" ]; then
             log "model: synth qwen3-30b-a3b q4_0"
             t0=$(date +%s)
-            python3 -m moecache synth "$models/qwen3-30b-a3b-q4_0.gguf" --preset qwen3-30b-a3b --quant q4_0 --seed 0 2>&1 | tail -3
+            python3 -m moecache synth "$models/qwen3-30b-a3b-q4_0-seed0.gguf" --preset qwen3-30b-a3b --quant q4_0 --seed 0 2>&1 | tail -3
             log "model: made in $(( $(date +%s) - t0 )) s"
         fi
         ;;
@@ -63,7 +66,7 @@ while [ $i -lt ${#phases[@]} ]; do
         [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)
         for s in "${scenarios[@]}"; do
             log "bench: $s"
-            MOECACHE_MODELS=$models python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
+            python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
     *) echo "unknown phase '$phase' (build, test, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;

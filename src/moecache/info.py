@@ -14,7 +14,7 @@ def _gib(n: int) -> str:
 def collect() -> dict:
     """Build and system facts; native parts are None (with a reason) when they are not built."""
     from . import __version__, api, paths
-    from .build.upstream import PIN
+    from .orchestrator.upstream import PIN
 
     info: dict = {
         "moecache": __version__,

@@ -31,7 +31,7 @@ def write_header_only_gguf(path: Path, arch: str) -> Path:
 
 def test_import_does_not_load_the_native_module():
     # the build orchestrator imports moecache while _core does not exist yet
-    code = ("import sys, moecache, moecache.build; "
+    code = ("import sys, moecache, moecache.orchestrator; "
             "assert 'moecache._core' not in sys.modules, 'native module loaded on import'; "
             "assert issubclass(moecache.ModelLoadError, moecache.MoecacheError); "
             "assert issubclass(moecache.MoecacheError, RuntimeError); "

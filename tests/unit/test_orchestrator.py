@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from moecache.build import series, upstream
-from moecache.build.upstream import BuildError
+from moecache.orchestrator import series, upstream
+from moecache.orchestrator.upstream import BuildError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,7 +198,7 @@ def test_bad_sdist_checksum(tmp_path, monkeypatch):
 def test_cli_reports_errors_without_traceback(project):
     repo, _ = project
     repo.series_file.write_text("0009-missing.patch\n")
-    r = subprocess.run([sys.executable, "-m", "moecache.build", "--repo", str(repo.root), "apply"],
+    r = subprocess.run([sys.executable, "-m", "moecache.orchestrator", "--repo", str(repo.root), "apply"],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")})
     assert r.returncode == 1
     assert "error: patches/series names '0009-missing.patch'" in r.stderr and "Traceback" not in r.stderr
@@ -209,6 +209,11 @@ def test_pinned_tree_and_project_series_verify(monkeypatch):
     monkeypatch.delenv("MOECACHE_LLAMA_SRC", raising=False)
     tree = upstream.pristine_tree(quiet=True)
     assert upstream.tree_fingerprint(tree) == upstream.PIN.fingerprint
+    # The same tree given as MOECACHE_LLAMA_SRC is accepted by its fingerprint (it has no git history).
+    monkeypatch.delenv("MOECACHE_LLAMA_SRC_FORCE", raising=False)
+    monkeypatch.setenv("MOECACHE_LLAMA_SRC", str(tree))
+    assert upstream.pristine_tree(quiet=True) == tree.resolve()
+    monkeypatch.delenv("MOECACHE_LLAMA_SRC")
     repo = series.Repo(REPO_ROOT)
     names = series.read_series(repo)
     assert names == [n for n in names if (repo.patches / n).is_file()]

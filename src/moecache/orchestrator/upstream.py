@@ -168,7 +168,8 @@ def pristine_tree(quiet: bool = False) -> Path:
             bar = Progress(len(members), "extracting llama.cpp", unit="files", enabled=not quiet)
             for m in members:
                 m.name = m.name[len(PIN.tree_prefix):]
-                if not m.name or m.islnk() or m.issym() and os.path.isabs(m.linkname):
+                # ".git" is the sdist's submodule link to a repository that is not there
+                if not m.name or m.name == ".git" or m.islnk() or m.issym() and os.path.isabs(m.linkname):
                     bar.update()
                     continue
                 tar.extract(m, tmp, filter="data") if hasattr(tarfile, "data_filter") else tar.extract(m, tmp)
@@ -191,12 +192,14 @@ def check_user_tree(path: Path, force: bool = False) -> None:
                          "Point it at the root of a llama.cpp checkout, or unset it to use the pinned download.")
     if force:
         return
-    if (path / ".git").exists():
+    head = ""
+    if (path / ".git").exists():  # a checkout (a sdist's tree has only a dangling submodule link)
         r = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True)
-        head = r.stdout.strip()
-        if r.returncode == 0 and head.startswith(PIN.commit):
+        head = r.stdout.strip() if r.returncode == 0 else ""
+    if head:
+        if head.startswith(PIN.commit):
             return
-        what = f"is at commit {head[:9]}" if head else "has no readable git HEAD"
+        what = f"is at commit {head[:9]}"
     else:
         if tree_fingerprint(path) == PIN.fingerprint:
             return

@@ -1,0 +1,95 @@
+"""`moecache bench`: run a benchmark scenario against llama-server on loopback.
+
+Every arm of the scenario runs in one invocation, each against its own freshly started server,
+so the ratio of each arm to the baseline (stock path) arm is measured side by side. Results go
+to <out>/<YYYY-MM-DD>-<scenario>.md and .json with hardware, commits, model and server args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from .scenario import Arm, ModelSpec, PromptSet, Scenario, ScenarioError, load_scenario, parse_scenario
+from .stats import add_ratios, ratio, summarize
+
+__all__ = ["main", "load_scenario", "parse_scenario", "Scenario", "ScenarioError", "Arm", "ModelSpec",
+           "PromptSet", "summarize", "ratio", "add_ratios", "default_out_dir"]
+
+
+def default_out_dir(scenario_path: Path) -> Path:
+    """benchmarks/results next to the scenario's folder (benchmarks/scenarios/x.toml), else ./benchmarks/results."""
+    parent = Path(scenario_path).resolve().parent
+    if parent.name == "scenarios":
+        return parent.parent / "results"
+    return Path.cwd() / "benchmarks" / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moecache bench",
+        description="Run a benchmark scenario (a TOML file, see benchmarks/README.md): each arm against its "
+                    "own llama-server on 127.0.0.1, real-text prompts, prefill t/s, time to first token and "
+                    "decode t/s, with the ratio of every arm to the baseline arm.",
+    )
+    p.add_argument("scenario", help="scenario file, e.g. benchmarks/scenarios/smoke.toml")
+    p.add_argument("--arms", metavar="A,B",
+                   help="run only these arms (comma-separated names); the baseline arm always runs")
+    p.add_argument("--reps", type=int, metavar="N", help="repetitions per arm and prompt (overrides the scenario)")
+    p.add_argument("--warmup", type=int, metavar="N", help="untimed requests first (overrides the scenario)")
+    p.add_argument("--out", metavar="DIR",
+                   help="folder for the .md and .json results (default: benchmarks/results next to the "
+                        "scenarios folder)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the scenario and print the commands, the prompts and the model; start nothing")
+    return p
+
+
+def _terminate_as_exit(signum, _frame):
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the running arm's server is stopped
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    on_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _terminate_as_exit) if on_main else None
+    try:
+        return _run(args)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .runner import BenchError, run_scenario
+
+    try:
+        sc = load_scenario(args.scenario)
+        if args.arms:
+            sc.select_arms([a.strip() for a in args.arms.split(",") if a.strip()])
+        if args.reps is not None:
+            if args.reps < 1:
+                raise ScenarioError("--reps must be >= 1")
+            sc.repetitions = args.reps
+        if args.warmup is not None:
+            if args.warmup < 0:
+                raise ScenarioError("--warmup must be >= 0")
+            sc.warmup = args.warmup
+        out_dir = Path(args.out) if args.out else default_out_dir(sc.path)
+        run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run)
+    except ScenarioError as e:
+        print(f"moecache bench: {e}", file=sys.stderr)
+        return 2
+    except (BenchError, FileNotFoundError) as e:
+        print(f"moecache bench: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("moecache bench: interrupted; the servers were stopped.", file=sys.stderr)
+        return 130
+    if args.dry_run:
+        return 0
+    return 0 if run.get("ok") else 1

@@ -1,0 +1,256 @@
+"""What a benchmark run records (hardware, commits, model, arms) and how it is written (md + json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import subprocess
+from pathlib import Path
+
+from .stats import METRICS
+
+METRIC_TITLES = {
+    "prefill_tps": "prefill t/s",
+    "ttft_ms": "TTFT ms",
+    "decode_tps": "decode t/s",
+}
+
+
+# --------------------------------------------------------------------------- facts about the run
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _gpus() -> tuple[list[dict], str]:
+    """GPUs from moecache.devices() when the compiled module loads, else nvidia-smi, else none."""
+    try:
+        import moecache
+
+        out = []
+        for d in moecache.devices():
+            d = dict(d)
+            if str(d.get("type", "gpu")).lower() not in ("gpu", "igpu"):
+                continue  # the CPU (and accelerators such as BLAS) are not GPUs
+            g = {k: v for k, v in d.items() if isinstance(v, (str, int, float, bool))}
+            if isinstance(d.get("memory_total"), int):
+                g["total_mib"] = d["memory_total"] // 2**20
+            out.append(g)
+        return out, "moecache.devices()"
+    except Exception:
+        pass
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        if r.returncode == 0:
+            gpus = []
+            for line in r.stdout.strip().splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                if len(parts) >= 2:
+                    gpus.append({"name": parts[0], "total_mib": int(float(parts[1])),
+                                 "driver": parts[2] if len(parts) > 2 else ""})
+            return gpus, "nvidia-smi"
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        pass
+    return [], "none found"
+
+
+def hardware() -> dict:
+    cpu = ""
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    ram = None
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            ram = int(line.split()[1]) * 1024
+            break
+    gpus, source = _gpus()
+    return {
+        "cpu": cpu or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "gpus": gpus,
+        "gpu_source": source,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def git_commit(repo: Path | None = None) -> str:
+    """`git rev-parse --short HEAD` of the checkout, with "+dirty" when tracked files changed."""
+    from ..paths import REPO_ROOT
+
+    repo = Path(repo or REPO_ROOT)
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                           text=True, timeout=30)
+        if r.returncode != 0:
+            return "unknown (not a git checkout)"
+        commit = r.stdout.strip()
+        d = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                           capture_output=True, text=True, timeout=30)
+        return commit + ("+dirty" if d.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown (git not available)"
+
+
+def display_path(path: str | Path) -> str:
+    """A path as results files show it: relative to the checkout, under <moecache-cache>, or ~/...,
+    so that committed results carry no absolute paths of the machine that made them."""
+    from ..orchestrator.upstream import cache_dir
+    from ..paths import REPO_ROOT
+
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        return str(path)
+    p = p.resolve()
+    for base, label in ((cache_dir(), "<moecache-cache>"), (REPO_ROOT, None), (Path.home(), "~")):
+        try:
+            rel = p.relative_to(Path(base).expanduser().resolve())
+        except ValueError:
+            continue
+        return str(rel) if label is None else f"{label}/{rel}"
+    return str(p)
+
+
+def llama_cpp_commit() -> str:
+    from ..orchestrator.upstream import PIN
+
+    return PIN.commit
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def _fmt_num(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    return f"{v:.2f}"
+
+
+def _fmt_stat(s: dict | None) -> str:
+    if not s:
+        return "-"
+    if s["n"] > 1:
+        return f"{_fmt_num(s['median'])} ({_fmt_num(s['min'])}–{_fmt_num(s['max'])})"
+    return _fmt_num(s["median"])
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if not n:
+        return "?"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(run: dict) -> str:
+    sc = run["scenario"]
+    hw = run["hardware"]
+    model = run["model"]
+    lines = [f"# Benchmark `{sc['name']}` — {run['date']}", ""]
+    if sc.get("description"):
+        lines += [sc["description"], ""]
+    gpus = ", ".join(
+        f"{g.get('description') or g.get('name', '?')}"
+        + (f" ({g['total_mib'] / 1024:.0f} GiB)" if "total_mib" in g else "")
+        for g in hw.get("gpus", [])) or "none"
+    lines += [
+        "## Setup",
+        "",
+        f"- scenario: `{sc['file']}` (max_tokens {sc['max_tokens']}, repetitions {sc['repetitions']}, "
+        f"warmup {sc['warmup']}, ignore_eos {str(sc['ignore_eos']).lower()})",
+        f"- moecache commit: `{run['moecache_commit']}`; llama.cpp pin: `{run['llama_cpp_commit']}`",
+        f"- hardware: {hw.get('cpu')} ({hw.get('cores')} logical cores), RAM {_fmt_bytes(hw.get('ram_bytes'))}; "
+        f"GPUs: {gpus}",
+        f"- os: {hw.get('os')}, Python {hw.get('python')}",
+        f"- model: {model['description']}: `{model['path']}` ({_fmt_bytes(model.get('size_bytes'))})",
+        f"- started {run['started']}, finished {run.get('finished', '?')}",
+        "",
+        "## Arms",
+        "",
+        "Each arm ran against its own freshly started llama-server on loopback, one after the other in "
+        "this run. Server arguments (shared ones first, then the arm's own):",
+        "",
+        "| arm | server args | env | note |",
+        "| --- | --- | --- | --- |",
+    ]
+    for a in run["arms"]:
+        name = a["name"] + (" (baseline)" if a["baseline"] else "")
+        args = " ".join(shlex.quote(x) for x in a["server_args"])
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in a["env"].items()) or "-"
+        note = ("FAILED: " + a["error"]) if a.get("error") else (a.get("description") or "")
+        lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} | {_md_cell(note)} |")
+    lines += [
+        "",
+        "## Results",
+        "",
+        "Medians over the repetitions, (min–max) in brackets. Prefill and decode rates are the server's "
+        "own timings of a non-streaming /completion request; TTFT is measured by the client: from sending "
+        "a streaming request to the first chunk that carries a token. Every ratio is a speed-up against "
+        "the baseline arm of this run (> 1 is faster): arm / baseline for rates, baseline / arm for TTFT.",
+        "",
+    ]
+    cases: list[tuple[str, int]] = []
+    for r in run["results"]:
+        key = (r["prompt"], r["length"])
+        if key not in cases:
+            cases.append(key)
+    for prompt, length in cases:
+        lines += [f"### `{prompt}` prompt, {length} tokens", "",
+                  "| arm | " + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
+                  + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |",
+                  "| --- | " + " | ".join(["---:"] * (2 * len(METRICS))) + " |"]
+        for r in run["results"]:
+            if (r["prompt"], r["length"]) != (prompt, length):
+                continue
+            name = r["arm"] + (" (baseline)" if r["arm"] == run["baseline"] else "")
+            if r.get("error"):
+                lines.append(f"| {_md_cell(name)} | " + " | ".join("-" for _ in METRICS) + " | "
+                             + " | ".join("-" for _ in METRICS) + " |")
+                continue
+            lines.append(f"| {_md_cell(name)} | " + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
+                         + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |")
+        lines.append("")
+    errors = [r for r in run["results"] if r.get("error")]
+    if errors:
+        lines += ["## Errors", ""]
+        lines += [f"- {r['arm']}, `{r['prompt']}` {r['length']}: {_md_cell(r['error'])}" for r in errors]
+        lines.append("")
+    lines += ["## Commands", "", "```"]
+    lines += [" ".join(shlex.quote(x) for x in a["command"]) for a in run["arms"]]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+def result_paths(out_dir: Path, date: str, name: str) -> tuple[Path, Path]:
+    stem = f"{date}-{name}"
+    return out_dir / f"{stem}.md", out_dir / f"{stem}.json"
+
+
+def write_results(run: dict, out_dir: str | Path) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = result_paths(out_dir, run["date"], run["scenario"]["name"])
+    md.write_text(render_markdown(run))
+    js.write_text(json.dumps(run, indent=2, sort_keys=False) + "\n")
+    return md, js

@@ -1,0 +1,287 @@
+"""Benchmark scenarios: a TOML file that names a model, real-text prompts and the arms to compare.
+
+    name = "smoke"
+    description = "tiny synthetic model on the CPU"
+    model = { synth = "tiny" }          # or a path: model = "models/my.gguf"
+    max_tokens = 32                      # tokens decoded per request
+    repetitions = 3                      # the median of N is reported
+    warmup = 1                           # untimed requests per arm and prompt first
+    server_args = ["-c", "1024"]         # given to every arm's server (before the arm's args)
+
+    [[prompts]]
+    name = "code"
+    files = ["code/heapq.py"]            # relative to prompts_dir (default: ../prompts from this file)
+    lengths = [256, 512]                 # prompt lengths in tokens: the files' text, cut to length
+
+    [[arms]]
+    name = "stock"
+    baseline = true                      # exactly one arm: the stock path every ratio is against
+    args = ["-ub", "512"]
+
+    [[arms]]
+    name = "small-ubatch"
+    args = ["-ub", "128", "-b", "128"]
+    env = { LLAMA_ARG_THREADS = "2" }
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    try:
+        import tomli as tomllib
+    except ImportError:  # pragma: no cover
+        tomllib = None
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run, with a message naming the problem and the fix."""
+
+
+TOP_KEYS = {
+    "name": "short name, used in the result file names",
+    "description": "one or two sentences: what the scenario compares",
+    "model": "a GGUF path, or a synthetic model: { synth = PRESET, quant = TYPE, seed = N }",
+    "prompts": "prompt sets: [[prompts]] with name, files, lengths",
+    "prompts_dir": "folder that prompt files are relative to (default: ../prompts next to the scenario)",
+    "max_tokens": "tokens decoded per request (n_predict)",
+    "repetitions": "timed requests per arm and prompt; medians are reported",
+    "warmup": "untimed requests per arm and prompt before the timed ones",
+    "ignore_eos": "keep decoding past end-of-sequence so every request decodes max_tokens (default true)",
+    "ttft": "also measure time to first token with a streaming request (default true)",
+    "server_args": "llama-server arguments shared by every arm (placed before the arm's args)",
+    "env": "environment variables shared by every arm",
+    "start_timeout": "seconds to wait for each server to become healthy (default 600)",
+    "arms": "[[arms]] with name, args, env, baseline",
+}
+MODEL_KEYS = {"synth", "quant", "seed"}
+PROMPT_KEYS = {"name", "files", "lengths"}
+ARM_KEYS = {"name", "args", "env", "baseline", "description"}
+
+
+@dataclass
+class ModelSpec:
+    path: str | None = None  # a GGUF file (resolved against the scenario's folder, then the cwd)
+    synth: str | None = None  # a moecache.synth preset
+    quant: str | None = None
+    seed: int = 0
+
+    def describe(self) -> str:
+        if self.synth:
+            return f"synthetic {self.synth}" + (f" {self.quant}" if self.quant else "") + f" (seed {self.seed})"
+        return str(self.path)
+
+
+@dataclass
+class PromptSet:
+    name: str
+    files: list[Path]
+    lengths: list[int]
+
+
+@dataclass
+class Arm:
+    name: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    baseline: bool = False
+    description: str = ""
+
+
+@dataclass
+class Scenario:
+    path: Path
+    name: str
+    description: str
+    model: ModelSpec
+    prompts: list[PromptSet]
+    max_tokens: int
+    repetitions: int
+    warmup: int
+    ignore_eos: bool
+    ttft: bool
+    server_args: list[str]
+    env: dict[str, str]
+    start_timeout: float
+    arms: list[Arm]
+
+    @property
+    def baseline(self) -> Arm:
+        return next(a for a in self.arms if a.baseline)
+
+    def max_context(self) -> int:
+        """Context a server needs for the longest prompt plus the decoded tokens."""
+        longest = max(n for p in self.prompts for n in p.lengths)
+        return longest + self.max_tokens + 8
+
+    def select_arms(self, names: list[str]) -> None:
+        """Keep only the named arms (and the baseline, which every ratio needs)."""
+        known = {a.name for a in self.arms}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ScenarioError(f"{self.path}: no arm named {', '.join(map(repr, unknown))} "
+                                f"(arms: {', '.join(sorted(known))}). Fix: check --arms.")
+        keep = set(names) | {self.baseline.name}
+        self.arms = [a for a in self.arms if a.name in keep]
+
+
+def _where(path: Path, ctx: str) -> str:
+    return f"scenario {path}: {ctx}"
+
+
+def _check_keys(path: Path, ctx: str, table: dict, known) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ScenarioError(_where(path, f"unknown key{'s' if len(unknown) > 1 else ''} "
+                                         f"{', '.join(map(repr, unknown))} in {ctx} "
+                                         f"(known keys: {', '.join(sorted(known))}). Fix: correct the spelling "
+                                         f"or remove it."))
+
+
+def _typed(path: Path, ctx: str, value, typ, what: str):
+    ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+    if not ok:
+        raise ScenarioError(_where(path, f"{ctx} must be {what}, got {value!r}"))
+    return value
+
+
+def _str_list(path: Path, ctx: str, value) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                                              for v in value):
+        raise ScenarioError(_where(path, f"{ctx} must be a list of strings, e.g. [\"-ngl\", \"99\"], got {value!r}"))
+    return [str(v) for v in value]
+
+
+def _env(path: Path, ctx: str, value) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, (str, int, float)) for v in value.values()):
+        raise ScenarioError(_where(path, f"{ctx} must be a table of strings, e.g. {{ NAME = \"value\" }}"))
+    return {str(k): str(v) for k, v in value.items()}
+
+
+def _positive(path: Path, ctx: str, value, minimum: int = 1) -> int:
+    _typed(path, ctx, value, int, "an integer")
+    if value < minimum:
+        raise ScenarioError(_where(path, f"{ctx} must be >= {minimum}, got {value}"))
+    return value
+
+
+def parse_scenario(data: dict, path: Path) -> Scenario:
+    path = Path(path)
+    _check_keys(path, "the top level", data, TOP_KEYS)
+    for required in ("model", "prompts", "arms", "max_tokens"):
+        if required not in data:
+            raise ScenarioError(_where(path, f"missing required key '{required}' ({TOP_KEYS[required]})"))
+
+    name = _typed(path, "name", data.get("name", path.stem), str, "a string")
+    if not name or any(c in name for c in "/\\ "):
+        raise ScenarioError(_where(path, f"name {name!r} must be non-empty, without spaces or slashes"))
+
+    m = data["model"]
+    if isinstance(m, str):
+        model = ModelSpec(path=m)
+    elif isinstance(m, dict):
+        _check_keys(path, "model", m, MODEL_KEYS)
+        if "synth" not in m:
+            raise ScenarioError(_where(path, "model table needs 'synth' (a preset name, e.g. \"tiny\"); "
+                                             "for a file write model = \"path/to/model.gguf\""))
+        model = ModelSpec(synth=_typed(path, "model.synth", m["synth"], str, "a preset name"),
+                          quant=_typed(path, "model.quant", m["quant"], str, "a quant type name")
+                          if "quant" in m else None,
+                          seed=_positive(path, "model.seed", m.get("seed", 0), 0))
+    else:
+        raise ScenarioError(_where(path, "model must be a path string or a table like { synth = \"tiny\" }"))
+
+    prompts_dir = Path(data.get("prompts_dir", "../prompts"))
+    if not prompts_dir.is_absolute():
+        prompts_dir = (path.parent / prompts_dir)
+    raw_prompts = data["prompts"]
+    if not isinstance(raw_prompts, list) or not raw_prompts:
+        raise ScenarioError(_where(path, "prompts must be a non-empty list of tables ([[prompts]])"))
+    prompts = []
+    for i, p in enumerate(raw_prompts):
+        ctx = f"prompts[{i}]"
+        _typed(path, ctx, p, dict, "a table")
+        _check_keys(path, ctx, p, PROMPT_KEYS)
+        for k in PROMPT_KEYS:
+            if k not in p:
+                raise ScenarioError(_where(path, f"{ctx} is missing '{k}'"))
+        pname = _typed(path, f"{ctx}.name", p["name"], str, "a string")
+        files = []
+        for f in _str_list(path, f"{ctx}.files", p["files"]):
+            fp = (prompts_dir / f).resolve()
+            if not fp.is_file():
+                raise ScenarioError(_where(path, f"{ctx}.files: prompt file not found: {fp}. Fix: check the "
+                                                 f"name (files are relative to {prompts_dir.resolve()})"))
+            files.append(fp)
+        if not files:
+            raise ScenarioError(_where(path, f"{ctx}.files is empty"))
+        if not isinstance(p["lengths"], list) or not p["lengths"]:
+            raise ScenarioError(_where(path, f"{ctx}.lengths must be a non-empty list of token counts"))
+        lengths = [_positive(path, f"{ctx}.lengths", n, 1) for n in p["lengths"]]
+        prompts.append(PromptSet(pname, files, lengths))
+    names = [p.name for p in prompts]
+    if len(set(names)) != len(names):
+        raise ScenarioError(_where(path, f"prompt set names must be unique, got {names}"))
+
+    raw_arms = data["arms"]
+    if not isinstance(raw_arms, list) or not raw_arms:
+        raise ScenarioError(_where(path, "arms must be a non-empty list of tables ([[arms]])"))
+    arms = []
+    for i, a in enumerate(raw_arms):
+        ctx = f"arms[{i}]"
+        _typed(path, ctx, a, dict, "a table")
+        _check_keys(path, ctx, a, ARM_KEYS)
+        if "name" not in a:
+            raise ScenarioError(_where(path, f"{ctx} is missing 'name'"))
+        arms.append(Arm(name=_typed(path, f"{ctx}.name", a["name"], str, "a string"),
+                        args=_str_list(path, f"{ctx}.args", a.get("args", [])),
+                        env=_env(path, f"{ctx}.env", a.get("env", {})),
+                        baseline=_typed(path, f"{ctx}.baseline", a.get("baseline", False), bool, "true or false"),
+                        description=_typed(path, f"{ctx}.description", a.get("description", ""), str, "a string")))
+    arm_names = [a.name for a in arms]
+    if len(set(arm_names)) != len(arm_names):
+        raise ScenarioError(_where(path, f"arm names must be unique, got {arm_names}"))
+    n_base = sum(a.baseline for a in arms)
+    if n_base != 1:
+        raise ScenarioError(_where(path, f"exactly one arm must have baseline = true (the stock path that "
+                                         f"ratios are measured against); found {n_base}. Fix: mark one arm."))
+
+    return Scenario(
+        path=path,
+        name=name,
+        description=_typed(path, "description", data.get("description", ""), str, "a string"),
+        model=model,
+        prompts=prompts,
+        max_tokens=_positive(path, "max_tokens", data["max_tokens"], 1),
+        repetitions=_positive(path, "repetitions", data.get("repetitions", 3), 1),
+        warmup=_positive(path, "warmup", data.get("warmup", 1), 0),
+        ignore_eos=_typed(path, "ignore_eos", data.get("ignore_eos", True), bool, "true or false"),
+        ttft=_typed(path, "ttft", data.get("ttft", True), bool, "true or false"),
+        server_args=_str_list(path, "server_args", data.get("server_args", [])),
+        env=_env(path, "env", data.get("env", {})),
+        start_timeout=float(_typed(path, "start_timeout", data.get("start_timeout", 600), (int, float), "seconds")),
+        arms=arms,
+    )
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    path = Path(path)
+    if not path.is_file():
+        hint = ""
+        guess = Path("benchmarks") / "scenarios" / path.name
+        if guess.is_file() and guess != path:
+            hint = f" (did you mean {guess}?)"
+        raise ScenarioError(f"scenario file not found: {path}{hint}. Fix: pass the path of a .toml file, "
+                            f"e.g. benchmarks/scenarios/smoke.toml")
+    if tomllib is None:  # pragma: no cover
+        raise ScenarioError("reading TOML on Python 3.10 needs the tomli package. Fix: pip install tomli")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"scenario {path} is not valid TOML: {e}") from None
+    return parse_scenario(data, path)

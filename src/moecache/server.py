@@ -1,0 +1,468 @@
+"""`moecache-server`: run the built (patched) llama-server.
+
+Every llama-server flag and environment variable is passed through unchanged; moecache's own
+flags (long options only, so that llama-server's short flags such as `-hf` never collide) are
+taken out first with argparse. Before anything starts, a `-m/--model` path is checked (it must
+exist and be a GGUF file), so a typo gives a clear message instead of a C++ stack of logs.
+
+`--demo` makes (once, cached) a small synthetic MoE model and serves it on 127.0.0.1.
+
+The module also has `ServerProcess`, a context manager that starts llama-server on a free
+loopback port and waits until it is healthy; the tests and `moecache bench` use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from collections.abc import Iterable, Mapping, Sequence
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEMO_PRESET = "demo"
+DEMO_SEED = 0
+DEMO_CTX = 4096
+
+EXIT_USAGE = 2
+
+
+class ServerError(RuntimeError):
+    """llama-server could not be started or did not become healthy."""
+
+
+# --------------------------------------------------------------------------- argument handling
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """moecache's own flags. Long options only: llama-server owns the short ones."""
+    p = argparse.ArgumentParser(
+        prog="moecache-server",
+        add_help=False,
+        allow_abbrev=False,
+        usage="moecache-server [moecache flags] [llama-server flags]",
+        description=(
+            "Run the moecache build of llama-server. The flags below are moecache's own; every "
+            "llama-server flag (and LLAMA_ARG_* environment variable) is accepted as well and "
+            "passed through unchanged."
+        ),
+    )
+    p.add_argument("--help", action="store_true",
+                   help="show this help, then llama-server's own help (also: -h)")
+    p.add_argument("--demo", action="store_true",
+                   help=f"serve a small synthetic MoE model (made once and cached; random weights, "
+                        f"so the text it writes is gibberish). Listens on {DEFAULT_HOST}:{DEFAULT_PORT} "
+                        f"unless --host/--port are given")
+    return p
+
+
+def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split argv into moecache's options and the llama-server arguments (kept verbatim, in order)."""
+    argv = list(argv)
+    # `-h` is not an argparse option: argparse would read llama-server's `-hf REPO` as `-h -f REPO`.
+    wants_help = "-h" in argv
+    ours, rest = build_parser().parse_known_args(argv)
+    if wants_help:
+        ours.help = True
+        rest = [a for a in rest if a != "-h"]
+    return ours, rest
+
+
+def find_flag_value(args: Sequence[str], names: Iterable[str]) -> str | None:
+    """Value of the last occurrence of a flag in `args` (`-m X`, `--model X` or `--model=X`)."""
+    names = tuple(names)
+    value = None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in names:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 2
+            continue
+        for n in names:
+            if n.startswith("--") and a.startswith(n + "="):
+                value = a[len(n) + 1:]
+        i += 1
+    return value
+
+
+def has_flag(args: Sequence[str], names: Iterable[str]) -> bool:
+    names = tuple(names)
+    return any(a in names or any(n.startswith("--") and a.startswith(n + "=") for n in names)
+               for a in args)
+
+
+MODEL_FLAGS = ("-m", "--model")
+HOST_FLAGS = ("--host",)
+PORT_FLAGS = ("--port",)
+CTX_FLAGS = ("-c", "--ctx-size")
+
+
+def check_model_file(path: str | os.PathLike) -> str | None:
+    """None when `path` is a readable GGUF file, else a message naming the problem and the fix."""
+    p = Path(path)
+    if str(path) == "":
+        return "-m/--model was given without a path. Fix: pass the path of a .gguf file, e.g. -m model.gguf."
+    if not p.exists():
+        return (f"model file not found: {p}\n"
+                f"Fix: check the path (relative paths are taken from {Path.cwd()}), or make a test model "
+                f"with `moecache synth`, or try `moecache-server --demo`.")
+    if p.is_dir():
+        return f"model path is a directory, not a file: {p}\nFix: pass the path of the .gguf file inside it."
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot read the model file {p}: {e.strerror}\nFix: check its permissions."
+    if magic != GGUF_MAGIC:
+        return (f"not a GGUF file: {p} (it starts with {magic!r}, a GGUF file starts with b'GGUF')\n"
+                f"Fix: convert the model to GGUF with llama.cpp's convert_hf_to_gguf.py, or pass the right file.")
+    return None
+
+
+# --------------------------------------------------------------------------- demo model
+
+
+def demo_model_path() -> Path:
+    from .orchestrator.upstream import cache_dir
+
+    return cache_dir() / "models" / f"{DEMO_PRESET}-seed{DEMO_SEED}.gguf"
+
+
+def ensure_synth_model(path: Path, preset: str, seed: int = 0, quant: str | None = None,
+                       out=None) -> Path:
+    """Write a synthetic model to `path` once (synth writes a temp file and renames it when done,
+    so a cached file is always complete)."""
+    path = Path(path)
+    if path.is_file() and check_model_file(path) is None:
+        return path
+    from . import synth
+
+    out = out or sys.stderr
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"moecache: making the synthetic model '{preset}'{' ' + quant if quant else ''} "
+          f"(once; cached at {path}) ...", file=out, flush=True)
+    kwargs = {"preset": preset, "seed": seed}
+    if quant:
+        kwargs["quant"] = quant
+    synth.write_model(path, **kwargs)
+    return path
+
+
+# --------------------------------------------------------------------------- running the server
+
+
+def _server_binary() -> Path:
+    from .paths import binary
+
+    return binary("llama-server")
+
+
+def _announce_when_ready(proc: subprocess.Popen, url: str, out) -> None:
+    """Print one line once `url`/health answers 200 (in a daemon thread; gives up if the server exits)."""
+    def poll():
+        while proc.poll() is None:
+            try:
+                if http_request(url + "/health", timeout=2.0)[0] == 200:
+                    print(f"moecache-server: ready at {url}", file=out, flush=True)
+                    return
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.25)
+
+    threading.Thread(target=poll, name="moecache-ready", daemon=True).start()
+
+
+def run_forwarding(cmd: Sequence[str], env: Mapping[str, str] | None = None, ready_url: str | None = None) -> int:
+    """Run `cmd`, forward SIGINT/SIGTERM/SIGHUP to it, return its exit code (128+N if killed by N).
+    With `ready_url`, print a line when the server there reports healthy."""
+    # a session of its own: a terminal's Ctrl-C reaches only us, and we forward it once (a second
+    # SIGINT would make llama-server exit at once instead of shutting down cleanly)
+    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None,
+                            start_new_session=os.name == "posix")
+    if ready_url:
+        _announce_when_ready(proc, ready_url, sys.stderr)
+    forwarded = [signal.SIGINT, signal.SIGTERM]
+    if hasattr(signal, "SIGHUP"):
+        forwarded.append(signal.SIGHUP)
+    old = {}
+
+    def forward(signum, _frame):
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for s in forwarded:
+        old[s] = signal.signal(s, forward)
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # only if a handler was replaced behind our back
+                forward(signal.SIGINT, None)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 - rc if rc < 0 else rc
+
+
+def print_help(out=None) -> None:
+    out = out or sys.stdout
+    out.write(build_parser().format_help())
+    out.write("\nEvery llama-server flag is accepted too, and passed through unchanged "
+              "(e.g. -m MODEL, -ngl 99, -ot exps=CPU, -c 8192, --port 8080).\n")
+    try:
+        exe = _server_binary()
+    except FileNotFoundError as e:
+        out.write(f"\nllama-server's own help cannot be shown: {e}\n")
+        out.flush()
+        return
+    out.write(f"\nllama-server's own help ({exe} --help) follows.\n\n")
+    out.flush()
+    try:
+        r = subprocess.run([str(exe), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, errors="replace", timeout=60)
+        out.write(r.stdout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out.write(f"(running `{exe} --help` failed: {e})\n")
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, rest = split_args(argv)
+    if ours.help:
+        print_help()
+        return 0
+
+    if ours.demo:
+        if has_flag(rest, MODEL_FLAGS):
+            print("moecache-server: --demo serves its own synthetic model and cannot be combined with "
+                  "-m/--model. Fix: drop --demo to serve your model, or drop -m.", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            path = ensure_synth_model(demo_model_path(), DEMO_PRESET, seed=DEMO_SEED)
+        except KeyboardInterrupt:
+            print("moecache-server: interrupted while making the demo model (nothing partial is kept).",
+                  file=sys.stderr)
+            return 130
+        except Exception as e:  # SynthError, a missing vocab file, a full disk: say what and stop
+            print(f"moecache-server: cannot make the demo model: {e}\nFix: see the message above; "
+                  f"reinstalling moecache restores missing data files.", file=sys.stderr)
+            return 1
+        extra = ["-m", str(path)]
+        if not has_flag(rest, HOST_FLAGS):
+            extra += ["--host", DEFAULT_HOST]
+        if not has_flag(rest, PORT_FLAGS):
+            extra += ["--port", str(DEFAULT_PORT)]
+        if not has_flag(rest, CTX_FLAGS):
+            extra += ["-c", str(DEMO_CTX)]
+        rest = extra + rest
+        host = find_flag_value(rest, HOST_FLAGS) or DEFAULT_HOST
+        port = find_flag_value(rest, PORT_FLAGS) or str(DEFAULT_PORT)
+        url_host = f"[{host}]" if ":" in host else host
+        ready_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else url_host}:{port}"
+        print("moecache-server --demo\n"
+              f"  model: {path}\n"
+              "  NOTE: this model has SYNTHETIC, RANDOM weights. The text it writes is gibberish: it\n"
+              "  demonstrates the server and the expert cache, not a language model. Serve a real model\n"
+              "  with `moecache-server -m MODEL.gguf`.\n"
+              f"  URL:   http://{url_host}:{port}  (web UI and OpenAI-compatible API under /v1; Ctrl-C stops it)\n"
+              "  Starting llama-server; a 'ready' line follows when the model is loaded.",
+              file=sys.stderr, flush=True)
+    else:
+        ready_url = None
+
+    model = find_flag_value(rest, MODEL_FLAGS)
+    if model is not None:
+        problem = check_model_file(model)
+        if problem:
+            print(f"moecache-server: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+
+    try:
+        exe = _server_binary()
+    except FileNotFoundError as e:
+        print(f"moecache-server: {e}", file=sys.stderr)
+        return 1
+    return run_forwarding([str(exe), *rest], ready_url=ready_url)
+
+
+# --------------------------------------------------------------------------- helper for tests and bench
+
+
+def free_port(host: str = DEFAULT_HOST) -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def http_request(url: str, method: str = "GET", body: object = None, timeout: float = 600.0
+                 ) -> tuple[int, object]:
+    """One HTTP request to a loopback server; returns (status, parsed JSON or text)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, u.path + (f"?{u.query}" if u.query else ""), body=data, headers=headers)
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            return resp.status, json.loads(raw)
+        except ValueError:
+            return resp.status, raw.decode(errors="replace")
+    finally:
+        conn.close()
+
+
+class ServerProcess:
+    """llama-server on 127.0.0.1 for tests and benchmarks.
+
+        with ServerProcess("model.gguf", args=["-c", "512", "-t", "2"]) as srv:
+            status, body = srv.post("/completion", {"prompt": "def", "n_predict": 8})
+
+    The server's stdout and stderr go to a log file (`.log_text()`); if the server exits or does
+    not become healthy within `timeout` seconds, ServerError carries the last lines of that log.
+    """
+
+    def __init__(self, model: str | os.PathLike, args: Sequence[str] = (), port: int | None = None,
+                 env: Mapping[str, str] | None = None, host: str = DEFAULT_HOST,
+                 timeout: float = 120.0, log_path: str | os.PathLike | None = None):
+        self.model = str(model)
+        self.args = [str(a) for a in args]
+        self.host = host
+        self.port = port
+        self.env = dict(env or {})
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self._own_log = log_path is None
+        self.log_path = Path(log_path) if log_path else None
+        self.returncode: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return [str(_server_binary()), "-m", self.model, "--host", self.host, "--port", str(self.port),
+                *self.args]
+
+    def log_text(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")
+
+    def _tail(self, n: int = 40) -> str:
+        lines = self.log_text().splitlines()[-n:]
+        return "\n".join("    " + line for line in lines) or "    (the log is empty)"
+
+    def start(self) -> "ServerProcess":
+        problem = check_model_file(self.model)
+        if problem:
+            raise ServerError(problem)
+        fixed_port = self.port is not None
+        for attempt in range(3):
+            if not fixed_port:
+                self.port = free_port(self.host)
+            if self._own_log:
+                self.cleanup()  # the log of a failed earlier attempt
+                fd, name = tempfile.mkstemp(prefix="moecache-server-", suffix=".log")
+                os.close(fd)
+                self.log_path = Path(name)
+            env = dict(os.environ)
+            env.update(self.env)
+            with open(self.log_path, "wb") as log:
+                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=env,
+                                             start_new_session=os.name == "posix")
+            try:
+                self._wait_healthy()
+                return self
+            except ServerError:
+                bind_race = "couldn't bind" in self.log_text()
+                if fixed_port or not bind_race or attempt == 2:
+                    raise
+            except BaseException:  # Ctrl-C while waiting: leave no server behind
+                self.stop()
+                raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        last = "no answer yet"
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self.returncode = rc
+                raise ServerError(
+                    f"llama-server exited with status {rc} before it became healthy.\n"
+                    f"  command: {' '.join(self.command)}\n  last log lines:\n{self._tail()}")
+            try:
+                status, body = http_request(self.url + "/health", timeout=2.0)
+                if status == 200:
+                    return
+                last = f"HTTP {status}: {body}"
+            except (OSError, http.client.HTTPException) as e:
+                last = str(e)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(
+                    f"llama-server did not become healthy within {self.timeout:.0f} s (last /health: {last}).\n"
+                    f"  command: {' '.join(self.command)}\n  last log lines:\n{self._tail()}")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, wait up to `timeout` seconds, then SIGKILL. Returns the exit status."""
+        if self.proc is None:
+            return self.returncode
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            except ProcessLookupError:
+                pass
+        self.returncode = self.proc.returncode
+        return self.returncode
+
+    def get(self, path: str, timeout: float = 600.0) -> tuple[int, object]:
+        return http_request(self.url + path, "GET", None, timeout)
+
+    def post(self, path: str, body: object, timeout: float = 600.0) -> tuple[int, object]:
+        return http_request(self.url + path, "POST", body, timeout)
+
+    def cleanup(self) -> None:
+        """Remove the log file this object created."""
+        if self._own_log and self.log_path is not None and self.log_path.exists():
+            self.log_path.unlink()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop()
+        if exc_type is None:
+            self.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

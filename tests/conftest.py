@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny synthetic model (made once per session), a free loopback port, and
+the built llama-server."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+try:
+    import moecache  # an installed moecache (pip install .) is tested as installed
+except ImportError:  # a plain checkout works without installing
+    sys.path.insert(0, str(REPO / "src"))
+    import moecache
+
+PACKAGE_ROOT = Path(list(moecache.__path__)[0]).resolve().parent  # the folder that holds moecache/
+
+
+@pytest.fixture(scope="session")
+def moecache_cache_dir(tmp_path_factory) -> Path:
+    """A private moecache cache folder for the session (MOECACHE_CACHE_DIR of subprocesses)."""
+    return tmp_path_factory.mktemp("moecache-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(moecache_cache_dir) -> Path:
+    """The `tiny` synthetic qwen3moe (seed 0), written where `moecache bench` looks for
+    { synth = "tiny" } in the session cache folder, so scenarios reuse it."""
+    from moecache import synth
+
+    models = moecache_cache_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    path = models / "tiny-default-seed0.gguf"
+    if not path.exists():
+        synth.write_model(path, preset="tiny", seed=0, progress=False)
+    return path
+
+
+@pytest.fixture
+def free_port():
+    """A function that returns a TCP port free on 127.0.0.1 right now."""
+    from moecache.server import free_port as _free_port
+
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    """The built llama-server; a clear failure (not a skip) when moecache is not built."""
+    from moecache.paths import binary
+
+    try:
+        return binary("llama-server")
+    except FileNotFoundError as e:
+        pytest.fail(f"these tests need the built llama-server: {e}")
+
+
+@pytest.fixture
+def subprocess_env(moecache_cache_dir) -> dict:
+    """Environment for `moecache` subprocesses: the moecache these tests import, the session cache."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["MOECACHE_CACHE_DIR"] = str(moecache_cache_dir)
+    return env

@@ -1,0 +1,202 @@
+"""moecache-server end to end on loopback: the real llama-server with the tiny synthetic model.
+
+Kept fast for 2-core machines: 2 threads, a 512-token context, a few short requests.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from moecache.server import ServerError, ServerProcess, http_request
+
+REPO = Path(__file__).resolve().parents[2]
+SERVER_ARGS = ["-t", "2", "-c", "512", "-np", "1", "-ngl", "0"]
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model, llama_server_bin):
+    with ServerProcess(tiny_model, args=SERVER_ARGS, timeout=120) as s:
+        yield s
+
+
+def completion(srv, prompt=PROMPT, n_predict=16, **extra):
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+            "return_tokens": True, **extra}
+    status, out = srv.post("/completion", body, timeout=120)
+    assert status == 200, out
+    return out
+
+
+def test_health(srv):
+    status, body = srv.get("/health")
+    assert status == 200
+    assert body == {"status": "ok"}
+
+
+def test_openai_chat_completion_returns_text(srv):
+    status, body = srv.post("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "You are terse."},
+                     {"role": "user", "content": "Name three sorting algorithms."}],
+        "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    }, timeout=120)
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant"
+    assert isinstance(msg["content"], str) and msg["content"].strip()
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["prompt_tokens"] > 5
+
+
+def test_openai_completion_returns_text(srv):
+    status, body = srv.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True}, timeout=120)
+    assert status == 200, body
+    assert body["object"] == "text_completion"
+    text = body["choices"][0]["text"]
+    assert isinstance(text, str) and text.strip()
+    assert body["usage"]["completion_tokens"] == 8
+
+
+def test_greedy_completion_is_deterministic(srv):
+    a = completion(srv, ignore_eos=True)
+    b = completion(srv, ignore_eos=True)
+    assert len(a["tokens"]) == 16
+    assert a["tokens"] == b["tokens"] and a["content"] == b["content"]
+    # and it is the text the tokens spell, not an empty reply
+    assert a["content"]
+    assert a["timings"]["prompt_n"] > 5 and a["timings"]["predicted_n"] == 16
+
+
+def test_a_bad_argument_gives_a_clear_error_with_the_log(tiny_model, llama_server_bin):
+    s = ServerProcess(tiny_model, args=[*SERVER_ARGS, "--no-such-flag"], timeout=60)
+    with pytest.raises(ServerError) as e:
+        s.start()
+    msg = str(e.value)
+    assert "exited with status" in msg and "--no-such-flag" in msg
+    assert s.proc.poll() is not None  # nothing left running
+    s.cleanup()
+
+
+def _launcher(args, env, **kw):
+    return subprocess.Popen([sys.executable, "-m", "moecache.server", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def _wait_health(url, proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if http_request(url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    pytest.fail("moecache-server did not become healthy")
+
+
+def _port_is_free(port):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launcher_forwards_signals_and_shuts_down_gracefully(sig, tiny_model, llama_server_bin, free_port,
+                                                             subprocess_env):
+    port = free_port()
+    proc = _launcher(["-m", str(tiny_model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS],
+                     subprocess_env)
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", proc)
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=15)
+        assert rc == 0, proc.stdout.read()
+        assert time.monotonic() - t0 < 10
+        log = proc.stdout.read()
+        assert "cleaning up before exit" in log  # llama-server's own graceful path ran
+        deadline = time.monotonic() + 5
+        while not _port_is_free(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _port_is_free(port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_server_process_stop_is_graceful(tiny_model, llama_server_bin):
+    s = ServerProcess(tiny_model, args=SERVER_ARGS).start()
+    port = s.port
+    t0 = time.monotonic()
+    assert s.stop() == 0
+    assert time.monotonic() - t0 < 10
+    assert _port_is_free(port)
+    s.cleanup()
+
+
+def test_launcher_missing_model_is_a_clear_error(tmp_path, subprocess_env):
+    missing = tmp_path / "missing.gguf"
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "moecache.server", "-m", str(missing)], env=subprocess_env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert str(missing) in r.stderr and "not found" in r.stderr
+    assert "llama_model_load" not in r.stderr + r.stdout  # no server was started
+    assert time.monotonic() - t0 < 30
+
+
+def test_bench_smoke_scenario_writes_md_and_json(tmp_path, tiny_model, llama_server_bin, subprocess_env):
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "moecache", "bench", str(REPO / "benchmarks/scenarios/smoke.toml"),
+                        "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [md] = list(out.glob("*-smoke.md"))
+    [js] = list(out.glob("*-smoke.json"))
+    text = md.read_text()
+    assert "prefill ratio" in text and "TTFT ratio" in text and "decode ratio" in text
+    data = json.loads(js.read_text())
+    assert data["ok"] is True and data["baseline"] == "ub512"
+    assert data["model"]["synth"] == "tiny"
+    assert data["llama_cpp_commit"] == "0c1e57098"
+    rows = data["results"]
+    assert {(r["arm"], r["prompt"], r["length"]) for r in rows} == {
+        (a, p, n) for a in ("ub512", "ub32") for p, n in (("code", 256), ("prose", 128))}
+    for row in rows:
+        assert not row.get("error"), row
+        assert row["prompt_n"] == row["length"]  # exact real-text prompt lengths
+        assert row["predicted_n"] == 16
+        for m in ("prefill_tps", "ttft_ms", "decode_tps"):
+            assert row[m]["n"] == 2 and row[m]["median"] > 0
+            assert row["ratios"][m] is not None and row["ratios"][m] > 0
+        if row["arm"] == "ub512":
+            assert row["ratios"] == {"prefill_tps": 1.0, "ttft_ms": 1.0, "decode_tps": 1.0}
+    assert "-ub 32 -b 32" in " ".join(data["arms"][1]["command"])
+
+
+def test_generate_matches_the_server(srv, tiny_model):
+    """moecache.Model greedy generation == the server's /completion (same n_ctx, temperature 0)."""
+    pytest.importorskip("moecache._core", reason="the compiled moecache._core is not importable")
+    import moecache
+
+    model = moecache.Model(str(tiny_model))
+    ctx = model.context(n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2)
+    g = ctx.generate(PROMPT, max_tokens=16, temperature=0.0)
+    out = completion(srv, n_predict=16)
+    assert len(g.tokens) > 0
+    assert g.tokens == out["tokens"]
+    assert g.text == out["content"]

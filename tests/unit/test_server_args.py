@@ -1,0 +1,160 @@
+"""moecache-server: our flags vs llama-server's, the model check, and what --demo passes on."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from moecache import server
+
+
+def test_passthrough_args_are_kept_verbatim_and_in_order():
+    argv = ["-m", "x.gguf", "-ngl", "99", "-ot", "exps=CPU", "-c", "8192", "--port", "9000",
+            "-fa", "on", "--temp", "-1", "-p", "a prompt with --demo inside"]
+    ours, rest = server.split_args(argv)
+    assert ours.demo is False and ours.help is False
+    assert rest == argv
+
+
+def test_our_flags_are_taken_out_wherever_they_are():
+    ours, rest = server.split_args(["-ngl", "99", "--demo", "--port", "9001", "-t", "2"])
+    assert ours.demo is True
+    assert rest == ["-ngl", "99", "--port", "9001", "-t", "2"]
+
+
+def test_llama_server_short_flags_that_start_with_h_are_not_help():
+    # argparse would read `-hf` as `-h -f`; our parser has no -h option
+    ours, rest = server.split_args(["-hf", "org/repo", "-hff", "file.gguf"])
+    assert ours.help is False
+    assert rest == ["-hf", "org/repo", "-hff", "file.gguf"]
+
+
+def test_help_flags():
+    assert server.split_args(["--help"])[0].help is True
+    ours, rest = server.split_args(["-h", "-ngl", "1"])
+    assert ours.help is True and rest == ["-ngl", "1"]
+
+
+def test_our_flags_are_not_abbreviated():
+    # `--de` must not silently become --demo; it stays for llama-server to judge
+    ours, rest = server.split_args(["--de"])
+    assert ours.demo is False and rest == ["--de"]
+
+
+@pytest.mark.parametrize("args,value", [
+    (["-m", "a.gguf"], "a.gguf"),
+    (["--model", "b.gguf", "-ngl", "1"], "b.gguf"),
+    (["--model=c.gguf"], "c.gguf"),
+    (["-m", "a.gguf", "-m", "d.gguf"], "d.gguf"),  # the last one wins, as in llama-server
+    (["-ngl", "1"], None),
+    (["-m"], ""),
+])
+def test_find_model_flag(args, value):
+    assert server.find_flag_value(args, server.MODEL_FLAGS) == value
+
+
+def test_check_model_file(tmp_path):
+    good = tmp_path / "ok.gguf"
+    good.write_bytes(b"GGUF" + b"\0" * 60)
+    assert server.check_model_file(good) is None
+
+    msg = server.check_model_file(tmp_path / "missing.gguf")
+    assert "not found" in msg and "missing.gguf" in msg and "Fix" in msg
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 zip, not gguf")
+    msg = server.check_model_file(bad)
+    assert "not a GGUF file" in msg and "bad.gguf" in msg
+
+    msg = server.check_model_file(tmp_path)
+    assert "directory" in msg
+
+
+def _no_server(monkeypatch):
+    """Make any attempt to start a process fail the test."""
+    def boom(*a, **k):
+        raise AssertionError(f"a process was started: {a}")
+
+    monkeypatch.setattr(subprocess, "Popen", boom)
+    monkeypatch.setattr(server, "run_forwarding", boom)
+
+
+def test_missing_model_exits_2_without_starting_anything(tmp_path, monkeypatch, capsys):
+    _no_server(monkeypatch)
+    path = tmp_path / "missing.gguf"
+    assert server.main(["-m", str(path), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "not found" in err and "Fix" in err
+
+
+def test_not_gguf_model_exits_2(tmp_path, monkeypatch, capsys):
+    _no_server(monkeypatch)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x00" * 100)
+    assert server.main(["--model", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a GGUF file" in err and str(path) in err
+
+
+def test_demo_with_model_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    _no_server(monkeypatch)
+    assert server.main(["--demo", "-m", "x.gguf"]) == 2
+    assert "--demo" in capsys.readouterr().err
+
+
+def test_demo_makes_the_model_once_and_serves_it_on_loopback(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
+    made = []
+
+    def fake_write_model(path, preset, seed, **kw):
+        made.append((preset, seed))
+        with open(path, "wb") as f:
+            f.write(b"GGUF" + b"\0" * 60)
+        return path
+
+    import moecache.synth
+
+    monkeypatch.setattr(moecache.synth, "write_model", fake_write_model)
+    monkeypatch.setattr(server, "_server_binary", lambda: "llama-server")
+    runs = []
+    monkeypatch.setattr(server, "run_forwarding", lambda cmd, ready_url=None: runs.append((cmd, ready_url)) or 0)
+
+    assert server.main(["--demo", "-t", "2"]) == 0
+    assert server.main(["--demo", "--port", "9123", "--host", "0.0.0.0"]) == 0
+    assert made == [("demo", 0)]  # cached: made once
+    model = str(tmp_path / "models" / "demo-seed0.gguf")
+
+    cmd, ready = runs[0]
+    assert ready == "http://127.0.0.1:8080"
+    assert cmd[0] == "llama-server"
+    assert cmd[cmd.index("-m") + 1] == model
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--port") + 1] == "8080"
+    assert cmd[-2:] == ["-t", "2"]
+
+    cmd, ready = runs[1]
+    assert ready == "http://127.0.0.1:9123"  # 0.0.0.0 is polled on loopback
+    assert cmd.count("--port") == 1 and cmd[cmd.index("--port") + 1] == "9123"
+    assert cmd.count("--host") == 1 and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:8080" in err and "http://0.0.0.0:9123" in err
+    assert "SYNTHETIC" in err and "gibberish" in err
+
+
+def test_run_forwarding_returns_the_exit_code():
+    assert server.run_forwarding(["sh", "-c", "exit 3"]) == 3
+    assert server.run_forwarding(["sh", "-c", "kill -TERM $$"]) == 128 + 15
+
+
+def test_help_lists_our_flags_and_says_all_llama_server_flags_pass(monkeypatch, capsys):
+    def missing():
+        raise FileNotFoundError("llama-server was not found (build first)")
+
+    monkeypatch.setattr(server, "_server_binary", missing)
+    assert server.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--demo" in out
+    assert "Every llama-server flag is accepted" in out
+    assert "build first" in out  # tells how to get llama-server's own help
