@@ -48,7 +48,12 @@ while [ $i -lt ${#phases[@]} ]; do
         ;;
     test)
         log "test: GPU-marked tests"
-        (cd /tmp && python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider 2>&1) | tee "$out/gpu-tests.log" | tail -15
+        if (set -o pipefail; cd /tmp && python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider 2>&1 \
+                | tee "$out/gpu-tests.log" | tail -15); then
+            log "test: passed"
+        else
+            log "test: FAILED (see gpu-tests.log)"; failed=1
+        fi
         ;;
     model)
         mkdir -p "$models"
@@ -72,4 +77,5 @@ while [ $i -lt ${#phases[@]} ]; do
     *) echo "unknown phase '$phase' (build, test, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
+if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
 log "all phases done"

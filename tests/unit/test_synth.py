@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moecache import gguf, synth
+from moecache import synth
 from moecache.gguf import GGMLType, GGUFReader
 
 

@@ -393,7 +393,7 @@ def status(repo: Repo) -> str:
              f"series: {len(names)} patch(es)"]
     lines += [f"  {n}" for n in names]
     if state == "missing":
-        lines.append(f"vendor/llama.cpp: missing (run `moecache-build apply`)")
+        lines.append("vendor/llama.cpp: missing (run `moecache-build apply`)")
     elif state == "edit":
         v = repo.vendor
         n_commits = len(_export_names(repo))
