@@ -6,7 +6,9 @@
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
 # .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
 # $OUT (or benchmarks/results/gpu-logs when OUT is unset). Each phase can run in its own call:
-# the build folder and the synthetic model are reused while the machine is kept.
+# the build folder and the synthetic model are reused while the machine is kept. The device's copy
+# of the tree has no git metadata: pass MOECACHE_COMMIT=$(git rev-parse --short HEAD) so result
+# files name the commit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 repo=$(pwd)

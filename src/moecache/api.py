@@ -202,17 +202,14 @@ def _parse_tensor_overrides(overrides) -> list[tuple[str, str]]:
 
 
 def _check_gguf_file(path: Path) -> None:
+    from .gguf import check_model_file  # not at import time: the build imports this package without numpy
+
+    problem = check_model_file(path)
+    if problem is None:
+        return
     if not path.exists():
-        raise FileNotFoundError(f"model file not found: '{path}'")
-    if path.is_dir():
-        raise ModelLoadError(f"'{path}' is a directory, not a GGUF model file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelLoadError(
-            f"'{path}' is not a GGUF file: it starts with {magic!r}, a GGUF file starts with b'GGUF'. "
-            "moecache loads llama.cpp GGUF models; convert others with llama.cpp's convert_hf_to_gguf.py."
-        )
+        raise FileNotFoundError(problem)
+    raise ModelLoadError(problem)
 
 
 FLASH_ATTN_VALUES = ("auto", "on", "off")

@@ -650,3 +650,25 @@ def read_tokenizer_kvs(path: str | os.PathLike) -> list[KV]:
     """The tokenizer KVs (tokenizer.*) of a GGUF, e.g. an upstream ggml-vocab-*.gguf, in file order."""
     with GGUFReader(path) as r:
         return [kv for k, kv in r.kv.items() if k.startswith("tokenizer.")]
+
+
+def check_model_file(path: str | os.PathLike) -> str | None:
+    """None when `path` is a readable GGUF file, else a message naming the problem and the fix."""
+    p = Path(path)
+    if str(path) == "":
+        return "-m/--model was given without a path. Fix: pass the path of a .gguf file, e.g. -m model.gguf."
+    if not p.exists():
+        return (f"model file not found: {p}\n"
+                f"Fix: check the path (relative paths are taken from {Path.cwd()}), or make a test model "
+                f"with `moecache synth`.")
+    if p.is_dir():
+        return f"model path is a directory, not a file: {p}\nFix: pass the path of the .gguf file inside it."
+    try:
+        with open(p, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        return f"cannot read the model file {p}: {e.strerror}\nFix: check its permissions."
+    if magic != GGUF_MAGIC:
+        return (f"not a GGUF file: {p} (it starts with {magic!r}, a GGUF file starts with b'GGUF')\n"
+                f"Fix: convert the model to GGUF with llama.cpp's convert_hf_to_gguf.py, or pass the right file.")
+    return None

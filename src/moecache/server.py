@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 
-GGUF_MAGIC = b"GGUF"
+from .gguf import check_model_file
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEMO_PRESET = "demo"
@@ -106,28 +107,6 @@ MODEL_FLAGS = ("-m", "--model")
 HOST_FLAGS = ("--host",)
 PORT_FLAGS = ("--port",)
 CTX_FLAGS = ("-c", "--ctx-size")
-
-
-def check_model_file(path: str | os.PathLike) -> str | None:
-    """None when `path` is a readable GGUF file, else a message naming the problem and the fix."""
-    p = Path(path)
-    if str(path) == "":
-        return "-m/--model was given without a path. Fix: pass the path of a .gguf file, e.g. -m model.gguf."
-    if not p.exists():
-        return (f"model file not found: {p}\n"
-                f"Fix: check the path (relative paths are taken from {Path.cwd()}), or make a test model "
-                f"with `moecache synth`, or try `moecache-server --demo`.")
-    if p.is_dir():
-        return f"model path is a directory, not a file: {p}\nFix: pass the path of the .gguf file inside it."
-    try:
-        with open(p, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        return f"cannot read the model file {p}: {e.strerror}\nFix: check its permissions."
-    if magic != GGUF_MAGIC:
-        return (f"not a GGUF file: {p} (it starts with {magic!r}, a GGUF file starts with b'GGUF')\n"
-                f"Fix: convert the model to GGUF with llama.cpp's convert_hf_to_gguf.py, or pass the right file.")
-    return None
 
 
 # --------------------------------------------------------------------------- demo model

@@ -219,3 +219,23 @@ def test_pinned_tree_and_project_series_verify(monkeypatch):
     assert names == [n for n in names if (repo.patches / n).is_file()]
     if series.applied_state(repo) != "edit":
         series.verify(repo, quiet=True)
+
+
+def test_orchestrator_runs_without_numpy():
+    """CMake runs `python -m moecache.orchestrator` in the build environment, which has no numpy."""
+    code = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def guarded(name, *a, **k):\n"
+        "    if name.split('.')[0] == 'numpy':\n"
+        "        raise ImportError('numpy is not there during the build')\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guarded\n"
+        "sys.argv = ['moecache-build', '--help']\n"
+        "import runpy\n"
+        "runpy.run_module('moecache.orchestrator', run_name='__main__')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")})
+    assert r.returncode == 0, r.stderr
+    assert "apply" in r.stdout

@@ -86,8 +86,15 @@ def hardware() -> dict:
 
 
 def git_commit(repo: Path | None = None) -> str:
-    """`git rev-parse --short HEAD` of the checkout, with "+dirty" when tracked files changed."""
+    """`git rev-parse --short HEAD` of the checkout, with "+dirty" when tracked files changed.
+
+    MOECACHE_COMMIT overrides it: a copy of the tree without git metadata (the GPU machine's)
+    is told its commit by whoever sent it.
+    """
     from ..paths import REPO_ROOT
+
+    if os.environ.get("MOECACHE_COMMIT"):
+        return os.environ["MOECACHE_COMMIT"]
 
     repo = Path(repo or REPO_ROOT)
     try:
