@@ -15,6 +15,22 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent.parent  # only meaningful in a source checkout
 
 
+def is_checkout(path: Path) -> bool:
+    return (path / "patches" / "series").is_file() and (path / "pyproject.toml").is_file()
+
+
+def checkout_root() -> Path | None:
+    """The moecache source checkout in use: the one this package was imported from, else the one
+    the current folder is in (an installed moecache run from a clone, as in CI); None if neither."""
+    if is_checkout(REPO_ROOT):
+        return REPO_ROOT
+    here = Path.cwd().resolve()
+    for p in (here, *here.parents):
+        if is_checkout(p):
+            return p
+    return None
+
+
 def _build_stage_dirs() -> list[Path]:
     """Developer build folders (build/<tag>, holding bin/ and data/), newest first."""
     build = REPO_ROOT / "build"

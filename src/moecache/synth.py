@@ -708,15 +708,16 @@ def reference_trace(path: str | os.PathLike, tokens: Sequence[int]) -> np.ndarra
 def default_texts() -> list[tuple[str, str]]:
     """(name, text) of real text for statistics: benchmarks/prompts/*.txt|*.py in a checkout, else
     the source of a few standard library modules."""
-    from .paths import REPO_ROOT
+    from .paths import checkout_root
 
     found = []
-    prompts = REPO_ROOT / "benchmarks" / "prompts"
-    if prompts.is_dir():
+    root = checkout_root()
+    prompts = root / "benchmarks" / "prompts" if root else None
+    if prompts and prompts.is_dir():
         for f in sorted(prompts.rglob("*")):
             if f.suffix in (".txt", ".py") and f.is_file():
                 try:
-                    found.append((str(f.relative_to(REPO_ROOT)), f.read_text(encoding="utf-8")))
+                    found.append((str(f.relative_to(root)), f.read_text(encoding="utf-8")))
                 except (OSError, UnicodeDecodeError):
                     continue
     if not found:

@@ -267,11 +267,11 @@ def test_routing_stats_rejects_bad_shapes():
 
 
 def test_reference_tokenizer_matches_upstream_test_vectors(vocab_path):
-    from moecache.paths import REPO_ROOT
+    from moecache.orchestrator.upstream import pristine_tree
 
     tok = synth.reference_tokenizer()
     # the upstream test vectors sit next to the vocab in the llama.cpp tree (installs ship only the vocab)
-    for folder in (vocab_path.parent, REPO_ROOT / "vendor" / "llama.cpp" / "models"):
+    for folder in (vocab_path.parent, pristine_tree(quiet=True) / "models"):
         vectors = folder / (vocab_path.name + ".inp")
         if vectors.is_file():
             break

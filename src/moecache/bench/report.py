@@ -91,12 +91,15 @@ def git_commit(repo: Path | None = None) -> str:
     MOECACHE_COMMIT overrides it: a copy of the tree without git metadata (the GPU machine's)
     is told its commit by whoever sent it.
     """
-    from ..paths import REPO_ROOT
+    from ..paths import checkout_root
 
     if os.environ.get("MOECACHE_COMMIT"):
         return os.environ["MOECACHE_COMMIT"]
 
-    repo = Path(repo or REPO_ROOT)
+    repo = repo or checkout_root()
+    if repo is None:
+        return "unknown (not a git checkout)"
+    repo = Path(repo)
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
                            text=True, timeout=30)
@@ -114,13 +117,14 @@ def display_path(path: str | Path) -> str:
     """A path as results files show it: relative to the checkout, under <moecache-cache>, or ~/...,
     so that committed results carry no absolute paths of the machine that made them."""
     from ..orchestrator.upstream import cache_dir
-    from ..paths import REPO_ROOT
+    from ..paths import checkout_root
 
     p = Path(path).expanduser()
     if not p.is_absolute():
         return str(path)
     p = p.resolve()
-    for base, label in ((cache_dir(), "<moecache-cache>"), (REPO_ROOT, None), (Path.home(), "~")):
+    bases = [(cache_dir(), "<moecache-cache>"), (checkout_root(), None), (Path.home(), "~")]
+    for base, label in ((b, label) for b, label in bases if b is not None):
         try:
             rel = p.relative_to(Path(base).expanduser().resolve())
         except ValueError:

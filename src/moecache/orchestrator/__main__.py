@@ -6,6 +6,13 @@
   export   write the edit repo's commits back as patches/NNNN-topic.patch + series
   verify   apply the series from scratch and check it reproduces vendor/llama.cpp
   status   what is pinned, what the series holds, what state vendor/llama.cpp is in
+
+environment:
+  MOECACHE_CACHE_DIR          cache of the sdist and the pristine tree (default ~/.cache/moecache)
+  MOECACHE_SDIST              a local copy of the pinned sdist, used instead of downloading
+  MOECACHE_LLAMA_SRC          your own llama.cpp tree instead of the sdist's (must be the pinned commit)
+  MOECACHE_LLAMA_SRC_FORCE=1  accept MOECACHE_LLAMA_SRC even when it is not the pinned commit
+  MOECACHE_REPO               the moecache checkout (default: found from the current folder)
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import is_checkout
 from .upstream import PIN, BuildError, pristine_tree
 
 STAMP = ".moecache-series"  # written into an applied tree: what it was made from
@@ -50,7 +51,7 @@ def find_repo(start: Path | None = None) -> Repo:
         return Repo(Path(env).resolve())
     here = (start or Path.cwd()).resolve()
     for p in [here, *here.parents]:
-        if (p / "patches" / "series").is_file() and (p / "pyproject.toml").is_file():
+        if is_checkout(p):
             return Repo(p)
     raise BuildError(f"no moecache checkout found at or above {here} (looked for patches/series). "
                      "Run this from the repository root, or set MOECACHE_REPO.")
