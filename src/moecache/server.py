@@ -256,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         print("moecache-server --demo\n"
               f"  model: {path}\n"
               "  NOTE: this model has SYNTHETIC, RANDOM weights. The text it writes is gibberish: it\n"
-              "  demonstrates the server and the expert cache, not a language model. Serve a real model\n"
+              "  demonstrates the server and its API, not a language model. Serve a real model\n"
               "  with `moecache-server -m MODEL.gguf`.\n"
-              f"  URL:   http://{url_host}:{port}  (web UI and OpenAI-compatible API under /v1; Ctrl-C stops it)\n"
+              f"  URL:   http://{url_host}:{port}  (OpenAI-compatible API under /v1, health at /health; Ctrl-C stops it)\n"
               "  Starting llama-server; a 'ready' line follows when the model is loaded.",
               file=sys.stderr, flush=True)
     else:
