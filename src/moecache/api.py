@@ -45,15 +45,11 @@ _core_module = None
 
 
 def _build_tree_modules() -> list[Path]:
-    """Compiled _core modules in a checkout's build folders (build/<tag>/...), newest first."""
-    repo = Path(__file__).resolve().parent.parent.parent
-    build = repo / "build"
-    if not build.is_dir():
-        return []
-    found = []
-    for pattern in ("*/python/moecache/_core.*", "*/stage/moecache/_core.*", "*/_core.*"):
-        found.extend(p for p in build.glob(pattern) if p.suffix in (".so", ".pyd") and p.is_file())
-    return sorted(set(found), key=lambda p: p.stat().st_mtime, reverse=True)
+    """Compiled _core modules in a checkout's build folders (build/<tag>/python/moecache), newest first."""
+    from .paths import build_dirs
+
+    return [p for d in build_dirs() for p in sorted((d / "python" / "moecache").glob("_core.*"))
+            if p.suffix in (".so", ".pyd")]
 
 
 def _core():

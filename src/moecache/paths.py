@@ -31,7 +31,7 @@ def checkout_root() -> Path | None:
     return None
 
 
-def _build_stage_dirs() -> list[Path]:
+def build_dirs() -> list[Path]:
     """Developer build folders (build/<tag>, holding bin/ and data/), newest first."""
     build = REPO_ROOT / "build"
     if not build.is_dir():
@@ -45,7 +45,7 @@ def bin_dirs() -> list[Path]:
     if os.environ.get("MOECACHE_BIN_DIR"):
         dirs.append(Path(os.environ["MOECACHE_BIN_DIR"]))
     dirs.append(PACKAGE_DIR / "bin")
-    dirs.extend(s / "bin" for s in _build_stage_dirs())
+    dirs.extend(s / "bin" for s in build_dirs())
     return dirs
 
 
@@ -68,7 +68,7 @@ def data_file(name: str) -> Path:
     if os.environ.get("MOECACHE_DATA_DIR"):
         dirs.append(Path(os.environ["MOECACHE_DATA_DIR"]))
     dirs.append(PACKAGE_DIR / "data")
-    dirs.extend(s / "data" for s in _build_stage_dirs())
+    dirs.extend(s / "data" for s in build_dirs())
     dirs.append(REPO_ROOT / "vendor" / "llama.cpp" / "models")
     for d in dirs:
         p = d / name
