@@ -89,6 +89,20 @@ def test_round_trip_apply_edit_export_verify(project):
     series.verify(repo, quiet=True)
 
 
+def test_apply_inside_a_git_checkout(project):
+    """The project checkout is itself a git repository: patches must still land in vendor/."""
+    repo, _ = project
+    series.edit(repo, quiet=True)
+    commit_change(repo.vendor, "src/llama-graph.cpp", "return 42;", "return 44;", "answer")
+    series.export(repo, quiet=True)
+    git(repo.root, "init", "-q")
+    git(repo.root, "add", "patches", "pyproject.toml")
+    git(repo.root, "commit", "-q", "-m", "project")
+    series.apply(repo, force=True, quiet=True)
+    assert "return 44;" in (repo.vendor / "src/llama-graph.cpp").read_text()
+    series.verify(repo, quiet=True)
+
+
 def test_export_again_keeps_files_and_drops_removed_patches(project):
     repo, _ = project
     series.edit(repo, quiet=True)

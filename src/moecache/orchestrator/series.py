@@ -121,8 +121,13 @@ def _hunk_number(patch: Path, path: str, line: int) -> int | None:
 
 def apply_patch(tree: Path, patch: Path) -> None:
     """Apply one patch to a plain tree; fail naming the patch, the file and the hunk."""
+    # Inside another repository (the project checkout holds vendor/) git apply would take paths
+    # as relative to that repository and silently skip them: stop git from looking above the tree.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(Path(tree).resolve().parent)}
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
     r = subprocess.run(["git", "apply", "--whitespace=nowarn", "-p1", str(patch)], cwd=tree,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     if r.returncode != 0:
         msg = (r.stderr or r.stdout).strip()
         raise BuildError(f"patch {patch.name} does not apply: {_hunk_failure(patch, msg)}.\n{msg}\n"
