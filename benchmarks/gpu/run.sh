@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [model] [bench SCENARIO...]   (default: build test model bench)
+#   benchmarks/gpu/run.sh [build] [test] [backend-ops] [model] [bench SCENARIO...]
+#   (default: build test backend-ops model bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
 # .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
@@ -15,7 +16,7 @@ repo=$(pwd)
 out=${OUT:-$repo/benchmarks/results/gpu-logs}
 mkdir -p "$out"
 phases=("$@")
-[ ${#phases[@]} -eq 0 ] && phases=(build test model bench)
+[ ${#phases[@]} -eq 0 ] && phases=(build test backend-ops model bench)
 jobs=${JOBS:-$(nproc)}
 # downloads, synthetic models: kept on the machine between calls
 export MOECACHE_CACHE_DIR=${MOECACHE_CACHE_DIR:-/tmp/moecache-cache}
@@ -41,7 +42,7 @@ while [ $i -lt ${#phases[@]} ]; do
         log "build: CUDA sm_90, $jobs jobs"
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$out/run.log" || true
         t0=$(date +%s)
-        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=on ${CMAKE_ARGS:-}" \
+        CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=on -DMOECACHE_BUILD_TESTS=ON ${CMAKE_ARGS:-}" \
         CMAKE_BUILD_PARALLEL_LEVEL=$jobs \
             python3 -m pip install --no-build-isolation --no-deps -v . > "$out/build.log" 2>&1 \
             || { tail -50 "$out/build.log"; exit 1; }
@@ -55,6 +56,16 @@ while [ $i -lt ${#phases[@]} ]; do
             log "test: passed"
         else
             log "test: FAILED (see gpu-tests.log)"; failed=1
+        fi
+        ;;
+    backend-ops)
+        # the MUL_MAT_ID cases (patch 0001's skip ids among them) on the GPU against the CPU
+        log "backend-ops: test-backend-ops -o MUL_MAT_ID -b CUDA0"
+        ops=$(python3 -c 'from moecache.paths import binary; print(binary("test-backend-ops"))')
+        if (set -o pipefail; "$ops" test -o MUL_MAT_ID -b CUDA0 2>&1 | tee "$out/backend-ops.log" | tail -5); then
+            log "backend-ops: passed"
+        else
+            log "backend-ops: FAILED (see backend-ops.log)"; failed=1
         fi
         ;;
     model)
@@ -76,7 +87,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
