@@ -138,6 +138,21 @@ def _copy_tree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, symlinks=True, ignore=shutil.ignore_patterns(".git", ".moecache-extracted", STAMP))
 
 
+def _pristine_copy(dest: Path, quiet: bool) -> Path:
+    """dest/llama.cpp = a copy of the pristine upstream tree."""
+    tree = dest / "llama.cpp"
+    _copy_tree(pristine_tree(quiet=quiet), tree)
+    return tree
+
+
+def _patched_copy(repo: Repo, dest: Path, names: list[str], quiet: bool) -> Path:
+    """dest/llama.cpp = the pristine tree with the named patches applied."""
+    tree = _pristine_copy(dest, quiet)
+    for n in names:
+        apply_patch(tree, repo.patches / n)
+    return tree
+
+
 def applied_state(repo: Repo) -> str:
     """'missing', 'applied:<digest>', 'edit' (a git repo made by `edit`), or 'unknown'."""
     v = repo.vendor
@@ -178,14 +193,10 @@ def apply(repo: Repo, force: bool = False, if_needed: bool = False, quiet: bool 
             print(f"moecache-build: {repo.vendor} is an edit repository; building it as it is.")
         return repo.vendor
     _guard_edits(repo, force)
-    base = pristine_tree(quiet=quiet)
     repo.vendor.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=repo.vendor.parent, prefix=".apply-"))
     try:
-        tree = tmp / "llama.cpp"
-        _copy_tree(base, tree)
-        for n in names:
-            apply_patch(tree, repo.patches / n)
+        tree = _patched_copy(repo, tmp, names, quiet)
         (tree / STAMP).write_text(digest + "\n")
         if repo.vendor.exists():
             _replace_tree(tree, repo.vendor)
@@ -233,12 +244,10 @@ def edit(repo: Repo, force: bool = False, quiet: bool = False) -> Path:
         return repo.vendor
     _guard_edits(repo, force)
     names = read_series(repo)
-    base = pristine_tree(quiet=quiet)
     repo.vendor.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=repo.vendor.parent, prefix=".edit-"))
     try:
-        tree = tmp / "llama.cpp"
-        _copy_tree(base, tree)
+        tree = _pristine_copy(tmp, quiet)
         _git(tree, "init", "-q", "-b", "main")
         _git(tree, "add", "-A", "-f")
         _git(tree, "commit", "-q", "-m", f"upstream llama.cpp {PIN.commit}",
@@ -356,12 +365,8 @@ def diff_trees(a: Path, b: Path) -> list[str]:
 def verify(repo: Repo, quiet: bool = False) -> None:
     """Apply the series from scratch and check it reproduces vendor/llama.cpp exactly."""
     names = read_series(repo)
-    base = pristine_tree(quiet=quiet)
     with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "llama.cpp"
-        _copy_tree(base, tree)
-        for n in names:
-            apply_patch(tree, repo.patches / n)
+        tree = _patched_copy(repo, Path(tmp), names, quiet)
         state = applied_state(repo)
         if state == "missing":
             if not quiet:
