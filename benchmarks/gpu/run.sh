@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [backend-ops] [model] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [backend-ops] [model] [bench SCENARIO...]
 #   (default: build test backend-ops model bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
@@ -50,12 +50,30 @@ while [ $i -lt ${#phases[@]} ]; do
         python3 -m moecache info | tee -a "$out/run.log"
         ;;
     test)
-        log "test: GPU-marked tests"
-        if (set -o pipefail; cd /tmp && python3 -m pytest -q -m gpu "$repo/tests" -p no:cacheprovider 2>&1 \
-                | tee "$out/gpu-tests.log" | tail -15); then
-            log "test: passed"
-        else
-            log "test: FAILED (see gpu-tests.log)"; failed=1
+        # one pytest process per file: a crash in one file does not hide the others' results
+        for f in "$repo"/tests/gpu/test_*.py; do
+            name=$(basename "$f" .py)
+            log "test: $name"
+            if (set -o pipefail; cd /tmp && timeout 600 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider 2>&1 \
+                    | tee "$out/$name.log" | tail -8); then
+                log "test: $name passed"
+            else
+                log "test: $name FAILED (see $name.log)"; failed=1
+            fi
+        done
+        ;;
+    diag)
+        # what the dynamic symbol table of libggml-cuda exports, and a native backtrace of the
+        # in-process GPU test crash (tests/gpu/test_cuda.py)
+        libdir=$(python3 -c 'from moecache.paths import binary; print(binary("llama-server").parent)')
+        { echo "libggml-cuda.so dynamic symbols: $(nm -D --defined-only "$libdir/libggml-cuda.so" | wc -l)";
+          echo "  of them not ggml_*: $(nm -D --defined-only "$libdir/libggml-cuda.so" | grep -vc ' ggml_')";
+          nm -D --defined-only "$libdir/libggml-cuda.so" | grep -v ' ggml_' | head -20; } | tee "$out/diag.log"
+        dbg=$(command -v gdb || command -v cuda-gdb || true)
+        if [ -n "$dbg" ]; then
+            (cd /tmp && timeout 300 "$dbg" -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pytest -x -q -m gpu \
+                "$repo/tests/gpu/test_cuda.py" -p no:cacheprovider >> "$out/diag.log" 2>&1) || true
+            grep -n -A40 "SIGSEGV" "$out/diag.log" | head -60 || true
         fi
         ;;
     backend-ops)
@@ -87,7 +105,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi

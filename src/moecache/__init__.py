@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 from .api import (  # noqa: E402  (pure Python: the native module loads on first use)
     Context,
+    ExpertCache,
     Generation,
     Model,
     ModelLoadError,
@@ -29,6 +30,7 @@ from .api import (  # noqa: E402  (pure Python: the native module loads on first
 
 __all__ = [
     "Context",
+    "ExpertCache",
     "Generation",
     "Model",
     "ModelLoadError",

@@ -211,6 +211,88 @@ def _check_gguf_file(path: Path) -> None:
 FLASH_ATTN_VALUES = ("auto", "on", "off")
 
 #
+# hot-expert cache options (pure Python: the unit tests call these without the native module)
+#
+
+MOE_CACHE_POLICIES = ("freq", "lru")
+_INT32_MAX = 2**31 - 1
+
+# argument -> (environment variable that gives its default, default, minimum, maximum, what it is)
+MOE_CACHE_OPTIONS: dict[str, tuple[str, object, int | None, int | None, str]] = {
+    "moe_cache_slots": ("LLAMA_ARG_MOE_HOT_K", 0, 0, _INT32_MAX,
+                        "slots per cached layer (0 = off unless moe_cache_size_mib is set)"),
+    "moe_cache_size_mib": ("LLAMA_ARG_MOE_CACHE_SIZE", 0, 0, _INT32_MAX,
+                           "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
+    "moe_cache_policy": ("LLAMA_ARG_MOE_CACHE_POLICY", "freq", None, None, "'freq' or 'lru'"),
+    "moe_cache_rebalance_interval": ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL", 40, 1, _INT32_MAX,
+                                     "freq policy: tokens between rebalances"),
+    "moe_cache_max_batch": ("LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS", 8, 1, 64,
+                            "batches of up to this many tokens use the cache"),
+    "moe_cache_admit_misses": ("LLAMA_ARG_MOE_CACHE_ADMIT_MISSES", 2, 1, _INT32_MAX,
+                               "lru policy: misses within the window before an expert is uploaded"),
+    "moe_cache_admit_window": ("LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW", 16, 1, _INT32_MAX,
+                               "lru policy: the admission window in tokens"),
+    "moe_cache_max_uploads": ("LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", 2, 1, _INT32_MAX,
+                              "uploads per layer and step"),
+}
+
+
+def _range_text(minimum: int | None, maximum: int | None) -> str:
+    if maximum is None or maximum == _INT32_MAX:
+        return f" >= {minimum}"
+    return f" in [{minimum}, {maximum}]"
+
+
+def _moe_cache_policy(value, source: str) -> str:
+    """'freq' or 'lru', spelled exactly so (as llama-server's --moe-cache-policy takes them);
+    ValueError naming `source` otherwise."""
+    if isinstance(value, str) and value in MOE_CACHE_POLICIES:
+        return value
+    raise ValueError(f"{source} must be one of {', '.join(repr(p) for p in MOE_CACHE_POLICIES)} (got {value!r})")
+
+
+def _moe_cache_options(kwargs=None, environ=None) -> dict:
+    """The checked hot-expert cache settings of a context, every one of MOE_CACHE_OPTIONS.
+
+    `kwargs` maps option names to the values a caller passed (None = not passed); an option not
+    passed takes its environment variable (`environ`, default os.environ; an empty value counts as
+    unset), else its default. A bad value raises ValueError that names the argument or the
+    variable; an unknown option name raises TypeError, as a misspelled keyword argument does.
+    """
+    kwargs = dict(kwargs or {})
+    environ = os.environ if environ is None else environ
+    unknown = sorted(set(kwargs) - set(MOE_CACHE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown expert cache option(s): {', '.join(unknown)} "
+                        f"(known: {', '.join(MOE_CACHE_OPTIONS)})")
+    out = {}
+    for name, (var, default, minimum, maximum, what) in MOE_CACHE_OPTIONS.items():
+        value = kwargs.get(name)
+        env_value = environ.get(var)
+        from_env = value is None and env_value is not None and env_value.strip() != ""
+        if name == "moe_cache_policy":
+            if value is not None:
+                out[name] = _moe_cache_policy(value, name)
+            elif from_env:
+                out[name] = _moe_cache_policy(env_value.strip(), f"environment variable {var} ({name})")
+            else:
+                out[name] = default
+            continue
+        if from_env:
+            text = env_value.strip()
+            number = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None  # as C's strtol: no "1_000"
+            if number is None or number < minimum or (maximum is not None and number > maximum):
+                raise ValueError(f"environment variable {var} ({name}: {what}) must be an integer"
+                                 f"{_range_text(minimum, maximum)} (got {env_value!r})")
+            out[name] = number
+        elif value is not None:
+            out[name] = _check_int(name, value, minimum=minimum, maximum=maximum,
+                                   what=_range_text(minimum, maximum) + f" ({what})")
+        else:
+            out[name] = default
+    return out
+
+#
 # model, context, generation
 #
 
@@ -231,13 +313,16 @@ class Generation:
 class Model:
     """A GGUF model loaded by llama.cpp.
 
-    Placement: `n_gpu_layers` layers go to the GPU (-1 = all); `n_cpu_moe` keeps the routed
-    experts of the first N layers in host memory (llama-server's --n-cpu-moe); `tensor_overrides`
+    Placement: `n_gpu_layers` layers go to the GPU (-1 = all); `cpu_moe=True` keeps the routed
+    experts of every layer in host memory (llama-server's --cpu-moe), `n_cpu_moe` those of the
+    first N layers (--n-cpu-moe); `tensor_overrides`
     places tensors by regex, as llama-server's -ot: [("exps", "CPU")] or "exps=CPU" (first match
-    wins; the n_cpu_moe rules come first). `pinned=True` keeps the host-resident weights in the
+    wins; the cpu_moe and n_cpu_moe rules come first). `pinned=True` keeps the host-resident weights in the
     GPU's pinned host memory (faster uploads; it implies no mmap); without a GPU it is ignored with a
     warning. `pinned=False, use_mmap=False` is llama-server's `--no-mmap --no-host`.
-    `repack=False` is llama-server's --no-repack (no CPU weight repacking: AMX, interleaved quants).
+    `repack=False` is llama-server's --no-repack (no CPU weight repacking: AMX, interleaved quants);
+    the hot-expert cache (Context's moe_cache_* options) needs it for host experts, since it cannot
+    copy repacked experts into its slots.
     `verbose=True` lets llama.cpp's log through to stderr (otherwise it is kept for error messages).
     """
 
@@ -252,6 +337,7 @@ class Model:
         pinned: bool = False,
         verbose: bool = False,
         repack: bool = True,
+        cpu_moe: bool = False,
     ):
         path = Path(os.fspath(path)).expanduser()
         _check_gguf_file(path)
@@ -279,6 +365,7 @@ class Model:
             str(path),
             n_gpu_layers=n_gpu_layers,
             n_cpu_moe=n_cpu_moe,
+            cpu_moe=bool(cpu_moe),
             tensor_overrides=overrides,
             use_mmap=bool(use_mmap),
             use_mlock=bool(use_mlock),
@@ -301,6 +388,7 @@ class Model:
         self.placement = {
             "n_gpu_layers": n_gpu_layers,
             "n_cpu_moe": n_cpu_moe,
+            "cpu_moe": bool(cpu_moe),
             "tensor_overrides": overrides,
             "use_mmap": bool(use_mmap),
             "use_mlock": bool(use_mlock),
@@ -351,18 +439,36 @@ class Model:
     # contexts
 
     def context(self, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_threads: int | None = None,
-                flash_attn: str = "auto") -> "Context":
-        return Context(self, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, flash_attn=flash_attn)
+                flash_attn: str = "auto", **moe_cache) -> "Context":
+        """A Context of this model; `moe_cache` takes Context's moe_cache_* options."""
+        return Context(self, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, flash_attn=flash_attn,
+                       **moe_cache)
 
 
 class Context:
     """A llama.cpp context (KV cache and compute buffers) of one sequence.
 
     llama.cpp caps n_batch at n_ctx and n_ubatch at n_batch; the attributes say what it uses.
+
+    Hot-expert cache (off by default): for MoE layers whose routed experts live in host memory
+    (Model(cpu_moe=True) or n_cpu_moe, with repack=False), a bank of slots on the layer's device
+    holds the most-routed experts; batches of up to `moe_cache_max_batch` tokens run the cached
+    experts there and the others on the CPU, larger batches (prompts) take the stock path.
+    `moe_cache_slots` slots per cached layer, or `moe_cache_size_mib` MiB for all of them (used when
+    slots is 0); `moe_cache_policy` "freq" (routing frequency over a window, rebalanced every
+    `moe_cache_rebalance_interval` tokens) or "lru" (an expert is uploaded after
+    `moe_cache_admit_misses` misses within `moe_cache_admit_window` tokens); at most
+    `moe_cache_max_uploads` uploads per layer and step. An option left as None takes its environment
+    variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_HOT_K, LLAMA_ARG_MOE_CACHE_SIZE, ...), else its
+    default (0, 0, "freq", 40, 8, 2, 16, 2). `self.expert_cache` reports and steers the cache.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
-                 n_threads: int | None = None, flash_attn: str = "auto"):
+                 n_threads: int | None = None, flash_attn: str = "auto", *,
+                 moe_cache_slots: int | None = None, moe_cache_size_mib: int | None = None,
+                 moe_cache_policy: str | None = None, moe_cache_rebalance_interval: int | None = None,
+                 moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
+                 moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -375,23 +481,56 @@ class Context:
             flash_attn = "on" if flash_attn else "off"
         if flash_attn not in FLASH_ATTN_VALUES:
             raise ValueError(f"flash_attn must be one of {', '.join(repr(v) for v in FLASH_ATTN_VALUES)} (got {flash_attn!r})")
+        moe_cache = _moe_cache_options({
+            "moe_cache_slots": moe_cache_slots,
+            "moe_cache_size_mib": moe_cache_size_mib,
+            "moe_cache_policy": moe_cache_policy,
+            "moe_cache_rebalance_interval": moe_cache_rebalance_interval,
+            "moe_cache_max_batch": moe_cache_max_batch,
+            "moe_cache_admit_misses": moe_cache_admit_misses,
+            "moe_cache_admit_window": moe_cache_admit_window,
+            "moe_cache_max_uploads": moe_cache_max_uploads,
+        })
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                  flash_attn=flash_attn)
+                                  flash_attn=flash_attn, **moe_cache)
         self.n_ctx = self._c.n_ctx
         self.n_batch = self._c.n_batch
         self.n_ubatch = self._c.n_ubatch
         self.n_threads = self._c.n_threads
         self.flash_attn = flash_attn
+        self.moe_cache_options = moe_cache  # the checked settings the context was made with
+        self.expert_cache = ExpertCache(self._c, model, moe_cache)
+        self.routing_trace_path: str | None = None  # where record_routing writes, while it does
         self.moe_layers: list[int] | None = None  # layer index of each trace_routing column, after a trace
 
     def __repr__(self) -> str:
+        cache = ""
+        if self.moe_cache_options["moe_cache_slots"] or self.moe_cache_options["moe_cache_size_mib"]:
+            cache = f", expert_cache={self.expert_cache!r}"
         return (f"moecache.Context(n_ctx={self.n_ctx}, n_batch={self.n_batch}, n_ubatch={self.n_ubatch}, "
-                f"n_threads={self.n_threads}, flash_attn={self.flash_attn!r})")
+                f"n_threads={self.n_threads}, flash_attn={self.flash_attn!r}{cache})")
 
     def reset(self) -> None:
         """Clear the KV cache."""
         self._c.reset()
+
+    def record_routing(self, path) -> None:
+        """Write the experts routed for every accepted token into `path` as JSONL, one line a token
+        ({"seq": .., "pos": .., "layers": {"<layer>": [expert ids]}}), from now on, with or without the
+        expert cache; `record_routing(None)` stops and closes the file. OSError (naming the path)
+        when the file cannot be opened."""
+        if path is None:
+            self._c.record_routing(None)
+            self.routing_trace_path = None
+            return
+        if isinstance(path, bytes) or not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path must be a str or os.PathLike, or None to stop (got {type(path).__name__})")
+        text = str(Path(os.fspath(path)).expanduser())
+        if not text:
+            raise ValueError("path is empty (None stops recording)")
+        self._c.record_routing(text)
+        self.routing_trace_path = text
 
     def _prompt_tokens(self, prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
@@ -465,3 +604,87 @@ class Context:
         ids, layers = self._c.trace_routing(tokens)
         self.moe_layers = list(layers)
         return ids
+
+
+class ExpertCache:
+    """The hot-expert cache of a Context (`ctx.expert_cache`): what it holds, how it does, and
+    a few levers for tests and tools. Every method waits for a generation running in another
+    thread to finish; layer indices are the model's block indices (0 .. n_layer - 1)."""
+
+    def __init__(self, native_context, model: Model, options: dict):
+        self._c = native_context  # the native context only: no reference cycle with the Context
+        self._model = model
+        self.options = dict(options)
+
+    @property
+    def enabled(self) -> bool:
+        """True when the context has a cache with at least one cached layer."""
+        return bool(self._c.moe_cache_enabled())
+
+    @property
+    def layers(self) -> list[int]:
+        """The cached layers."""
+        return [il for il in range(self._model.n_layer) if self._c.moe_cache_layer_reason(il) is None]
+
+    def _layer(self, layer) -> int:
+        n = self._model.n_layer
+        return _check_int("layer", layer, minimum=0, maximum=n - 1, what=f" in [0, n_layer={n})")
+
+    def stats(self, layer: int | None = None) -> dict:
+        """Counters of one cached layer, or (None) the total over all cached layers: n_tokens,
+        hits, misses, hit_rate, hit_rate_recent (the last 256 tokens), uploads, bytes_uploaded,
+        evictions, batches_cached, batches_bypassed ({"batch": .., "warmup": ..}), rebalances,
+        step_ms_max, step_ms_total, n_slots, n_resident, n_layers_cached, bytes_vram.
+        ValueError (saying why) when there is no cache there."""
+        il = -1 if layer is None else self._layer(layer)
+        return dict(self._c.moe_cache_stats(il))
+
+    def resident(self, layer: int) -> list[int]:
+        """The experts published in a cached layer's slots."""
+        return list(self._c.moe_cache_resident(self._layer(layer)))
+
+    def layer_reason(self, layer: int) -> str | None:
+        """Why a layer has no cache (e.g. its experts are not in host memory), or None when it has one."""
+        return self._c.moe_cache_layer_reason(self._layer(layer))
+
+    def reset_stats(self) -> None:
+        """Zero the counters (the residency stays)."""
+        self._c.moe_cache_reset_stats()
+
+    def pin(self, layer: int, expert: int) -> None:
+        """Keep `expert` resident in a cached layer: uploaded at the next step (or rebalance()),
+        never evicted. ValueError for a layer without a cache, an expert out of range, or a layer
+        whose slots are all pinned already."""
+        il = self._layer(layer)
+        n_expert = self._model.n_expert
+        if n_expert > 0:
+            expert = _check_int("expert", expert, minimum=0, maximum=n_expert - 1, what=f" in [0, n_expert={n_expert})")
+        else:
+            expert = _check_int("expert", expert, minimum=0, what=" >= 0")
+        self._c.moe_cache_pin(il, expert)
+
+    def rebalance(self) -> None:
+        """Run the policy now, wait for its uploads and publish them (blocks; for tests and tools)."""
+        self._c.moe_cache_rebalance()
+
+    def stats_json(self) -> dict:
+        """Every stat (total, per layer, configuration) as the library reports it, parsed."""
+        import json
+
+        return json.loads(self._c.moe_cache_stats_json())
+
+    def __repr__(self) -> str:
+        o = self.options
+        if not (o["moe_cache_slots"] or o["moe_cache_size_mib"]):
+            return "ExpertCache(off)"
+        size = (f"slots={o['moe_cache_slots']}" if o["moe_cache_slots"]
+                else f"size_mib={o['moe_cache_size_mib']}")
+        try:
+            if not self.enabled:
+                return f"ExpertCache(configured {size}, policy={o['moe_cache_policy']!r}, but no layer is cached)"
+            t = self.stats()
+        except Exception as e:  # a repr must not raise
+            return f"ExpertCache({size}, policy={o['moe_cache_policy']!r}, stats unavailable: {e})"
+        return (f"ExpertCache({size}, policy={o['moe_cache_policy']!r}, layers={t['n_layers_cached']}, "
+                f"n_slots={t['n_slots']}, hit_rate={t['hit_rate']:.3f}, uploads={t['uploads']}, "
+                f"vram={t['bytes_vram'] / 2**20:.1f} MiB)")

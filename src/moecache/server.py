@@ -5,7 +5,9 @@ flags (long options only, so that llama-server's short flags such as `-hf` never
 taken out first with argparse. Before anything starts, a `-m/--model` path is checked (it must
 exist and be a GGUF file), so a typo gives a clear message instead of a C++ stack of logs.
 
-`--demo` makes (once, cached) a small synthetic MoE model and serves it on 127.0.0.1.
+`--demo` makes (once, cached) a small synthetic MoE model and serves it on 127.0.0.1 with the
+hot-expert cache on (experts in host memory, 16 slots per layer on the GPU; without a CUDA device
+the slots live in host memory, the library's test device), stats at /moe-cache and /metrics.
 
 The module also has `ServerProcess`, a context manager that starts llama-server on a free
 loopback port and waits until it is healthy; the tests and `moecache bench` use it.
@@ -17,6 +19,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -108,6 +111,19 @@ HOST_FLAGS = ("--host",)
 PORT_FLAGS = ("--port",)
 CTX_FLAGS = ("-c", "--ctx-size")
 
+# --demo shows the hot-expert cache; each setting is added only when the user's own flags and
+# environment leave it open, so whatever they pass still wins
+DEMO_CACHE_SLOTS = 16
+CACHE_SIZE_FLAGS = ("--moe-cache-slots", "--moe-cache-size")  # the cache's other flags tune it, not size it
+CACHE_SIZE_ENV = ("LLAMA_ARG_MOE_HOT_K", "LLAMA_ARG_MOE_CACHE_SIZE")
+EXPERT_PLACEMENT_FLAGS = ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor")
+EXPERT_PLACEMENT_ENV = ("LLAMA_ARG_CPU_MOE", "LLAMA_ARG_N_CPU_MOE", "LLAMA_ARG_OVERRIDE_TENSOR")
+REPACK_FLAGS = ("--repack", "-nr", "--no-repack")
+REPACK_ENV = ("LLAMA_ARG_REPACK",)
+METRICS_FLAGS = ("--metrics",)
+METRICS_ENV = ("LLAMA_ARG_ENDPOINT_METRICS",)
+HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"  # test device: the slot banks in host memory
+
 
 # --------------------------------------------------------------------------- demo model
 
@@ -136,6 +152,58 @@ def ensure_synth_model(path: Path, preset: str, seed: int = 0, quant: str | None
         kwargs["quant"] = quant
     synth.write_model(path, **kwargs)
     return path
+
+
+def cuda_devices(exe) -> list[str] | None:
+    """Names of the CUDA devices the llama-server binary sees (its `--list-devices`: the devices of
+    this very build, without a CUDA context left in this process), or None when it cannot tell."""
+    try:
+        r = subprocess.run([str(exe), "--list-devices"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           stdin=subprocess.DEVNULL, text=True, errors="replace", timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0 or "Available devices:" not in r.stdout:
+        return None
+    names = []
+    for line in r.stdout.split("Available devices:", 1)[1].splitlines():
+        m = re.match(r"\s+([^\s:]+): ", line)  # "  CUDA0: NVIDIA H200 (143771 MiB, 142000 MiB free)"
+        if m and m.group(1).startswith("CUDA"):
+            names.append(m.group(1))
+    return names
+
+
+def _env_set(environ: Mapping[str, str], names: Iterable[str]) -> bool:
+    return any(environ.get(n, "").strip() for n in names)
+
+
+def demo_cache_setup(rest: Sequence[str], environ: Mapping[str, str], cuda: Sequence[str] | None
+                     ) -> tuple[list[str], dict[str, str], str]:
+    """What --demo adds to show the hot-expert cache: (llama-server flags to put before the user's,
+    environment for the server, a line that says what the cache is). A setting the user's flags or
+    environment already decide is left to them."""
+    user_cache = has_flag(rest, CACHE_SIZE_FLAGS) or _env_set(environ, CACHE_SIZE_ENV)
+    args: list[str] = []
+    if not has_flag(rest, EXPERT_PLACEMENT_FLAGS) and not _env_set(environ, EXPERT_PLACEMENT_ENV):
+        args.append("--cpu-moe")  # the experts in host memory: what the cache serves from its slots
+    if not has_flag(rest, REPACK_FLAGS) and not _env_set(environ, REPACK_ENV):
+        args.append("--no-repack")  # the cache cannot copy repacked experts into its slots
+    if not user_cache:
+        args += ["--moe-cache-slots", str(DEMO_CACHE_SLOTS)]
+    if not has_flag(rest, METRICS_FLAGS) and not _env_set(environ, METRICS_ENV):
+        args.append("--metrics")
+    env: dict[str, str] = {}
+    if cuda:
+        where = f"on {cuda[0]}"
+    elif HOST_DEVICE_ENV in environ:
+        where = f"(no CUDA device; your {HOST_DEVICE_ENV}={environ[HOST_DEVICE_ENV]} decides where)"
+    else:
+        env[HOST_DEVICE_ENV] = "1"
+        where = f"in host memory (no CUDA device: {HOST_DEVICE_ENV}=1, the test device)"
+    if user_cache:
+        what = f"hot-expert cache as your flags set it, slots {where}"
+    else:
+        what = f"hot-expert cache, {DEMO_CACHE_SLOTS} slots per layer {where}, experts in host memory"
+    return args, env, what
 
 
 # --------------------------------------------------------------------------- running the server
@@ -241,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"moecache-server: cannot make the demo model: {e}\nFix: see the message above; "
                   f"reinstalling moecache restores missing data files.", file=sys.stderr)
             return 1
+        try:
+            cuda = cuda_devices(_server_binary())
+        except FileNotFoundError:
+            cuda = None  # said below, where the binary is needed
+        cache_args, cache_env, cache_what = demo_cache_setup(rest, os.environ, cuda)
         extra = ["-m", str(path)]
         if not has_flag(rest, HOST_FLAGS):
             extra += ["--host", DEFAULT_HOST]
@@ -248,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             extra += ["--port", str(DEFAULT_PORT)]
         if not has_flag(rest, CTX_FLAGS):
             extra += ["-c", str(DEMO_CTX)]
-        rest = extra + rest
+        rest = extra + cache_args + rest
+        env = {**os.environ, **cache_env} if cache_env else None
         host = find_flag_value(rest, HOST_FLAGS) or DEFAULT_HOST
         port = find_flag_value(rest, PORT_FLAGS) or str(DEFAULT_PORT)
         url_host = f"[{host}]" if ":" in host else host
@@ -259,10 +333,15 @@ def main(argv: list[str] | None = None) -> int:
               "  demonstrates the server and its API, not a language model. Serve a real model\n"
               "  with `moecache-server -m MODEL.gguf`.\n"
               f"  URL:   http://{url_host}:{port}  (OpenAI-compatible API under /v1, health at /health; Ctrl-C stops it)\n"
+              f"  cache: {cache_what}\n"
+              f"         stats: http://{url_host}:{port}/moe-cache (JSON) and http://{url_host}:{port}/metrics\n"
+              f"  flags: {' '.join(cache_args) or '(none added: yours decide)'}"
+              f"{''.join(f' {k}={v}' for k, v in cache_env.items())}\n"
               "  Starting llama-server; a 'ready' line follows when the model is loaded.",
               file=sys.stderr, flush=True)
     else:
         ready_url = None
+        env = None
 
     model = find_flag_value(rest, MODEL_FLAGS)
     if model is not None:
@@ -276,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"moecache-server: {e}", file=sys.stderr)
         return 1
-    return run_forwarding([str(exe), *rest], ready_url=ready_url)
+    return run_forwarding([str(exe), *rest], env=env, ready_url=ready_url)
 
 
 # --------------------------------------------------------------------------- helper for tests and bench

@@ -23,3 +23,11 @@ def test_mul_mat_id_skip_ids_on_cpu():
     """Patch 0001: MUL_MAT_ID rows with id < 0 are zero, the others unchanged (F32/F16/Q4_0/Q8_0/Q4_K, 1..64 tokens)."""
     out = run_native("test-mul-mat-id-skip", "2")
     assert "140 passed, 0 failed" in out, out[-2000:]
+
+
+def test_moe_cache_policies():
+    """Patch 0002: fill order, FREQ rebalance with hysteresis, LRU admission gate and victim, upload cap,
+    busy slots, failed uploads, pins, and the map invariants under random routing."""
+    out = run_native("test-moe-cache-policy")
+    assert out.strip().endswith("0 failed"), out[-2000:]
+    assert " passed," in out

@@ -294,6 +294,13 @@ class H(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health": self.reply({"status": "ok"})
         elif self.path == "/props": self.reply({"default_generation_settings": {"n_ctx": n_ctx}})
+        elif self.path == "/moe-cache" and arg("--moe-cache-slots"):
+            slots = int(arg("--moe-cache-slots"))
+            self.reply({"enabled": slots > 0, "config": {"n_slots": slots, "policy": "freq"},
+                        "total": {"hits": 75, "misses": 25, "hit_rate": 0.75, "hit_rate_recent": 0.8,
+                                  "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
+                                  "step_ms_max": 0.25, "bytes_vram": slots * 4 << 20},
+                        "layers": []})
         else: self.reply({"error": "no"}, 404)
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -363,6 +370,71 @@ def test_runner_end_to_end_with_a_fake_server(tmp_path, fake_server_bin, capsys)
     assert data["arms"][2]["error"] and "status 3" in data["arms"][2]["error"]
     assert data["model"]["size_bytes"] == 64
     assert "| small | 5000" in md.read_text()
+
+
+def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_server_bin, capsys):
+    body = GOOD.replace('args = ["-ub", "32"]', 'args = ["-ub", "32", "--moe-cache-slots", "16"]')
+    body += '\n[[arms]]\nname = "off"\nargs = ["--moe-cache-slots", "0"]\n'
+    path = write_scenario(tmp_path, body)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "1"]) == 0
+    assert "expert cache: hit rate 0.750" in capsys.readouterr().err
+    [js] = list(out.glob("*-t.json"))
+    arms = {a["name"]: a for a in json.loads(js.read_text())["arms"]}
+    assert "moe_cache" not in arms["base"]  # no /moe-cache endpoint (404)
+    assert "moe_cache" not in arms["off"]  # "enabled": false
+    assert arms["small"]["moe_cache"] == {
+        "hit_rate": 0.75, "hit_rate_recent": 0.8, "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
+        "step_ms_max": 0.25, "n_slots": 16, "bytes_vram": 64 << 20}
+    [md] = list(out.glob("*-t.md"))
+    text = md.read_text()
+    assert "| hit rate | cache MiB |" in text
+    small = next(line for line in text.splitlines() if line.startswith("| small | `"))
+    assert "| 75.0% | 64.0 |" in small
+
+
+def test_moe_cache_summary_reads_the_totals():
+    assert runner.moe_cache_summary(None) is None
+    assert runner.moe_cache_summary("not json") is None
+    assert runner.moe_cache_summary({"enabled": False, "total": {"hit_rate": 0.5}}) is None
+    assert runner.moe_cache_summary({"total": {"hit_rate": 0.5}}) is None  # "enabled" must say so
+    s = runner.moe_cache_summary({"enabled": True, "n_slots": 8,
+                                  "total": {"hit_rate": 0.5, "uploads": 3, "bytes_vram": 1024, "evictions": True}})
+    assert s == {"hit_rate": 0.5, "hit_rate_recent": None, "uploads": 3, "bytes_uploaded": None,
+                 "evictions": None, "step_ms_max": None, "n_slots": 8, "bytes_vram": 1024}
+    # flat answers (no "total") work too; "config" fills what the totals lack
+    flat = runner.moe_cache_summary({"enabled": True, "hit_rate": 0.9, "config": {"n_slots": 4}})
+    assert flat["hit_rate"] == 0.9 and flat["n_slots"] == 4
+    assert set(flat) == set(runner.MOE_CACHE_FIELDS)
+
+
+def test_report_shows_the_expert_cache_only_when_an_arm_has_one():
+    run = fake_run()
+    text = report.render_markdown(run)
+    assert "hit rate" not in text and "cache MiB" not in text and "Expert cache" not in text
+    assert "| arm | server args | env | note |" in text
+
+    run["arms"][1]["moe_cache"] = {"hit_rate": 0.8125, "hit_rate_recent": 0.9, "uploads": 1200,
+                                   "bytes_uploaded": 3 * 2**30, "evictions": 900, "step_ms_max": 0.42,
+                                   "n_slots": 32, "bytes_vram": 1536 * 2**20}
+    text = report.render_markdown(run)
+    arms = text[text.index("## Arms"):text.index("## Results")]
+    assert "| arm | server args | env | hit rate | cache MiB | note |" in arms
+    fast = next(line for line in arms.splitlines() if line.startswith("| fast | `"))
+    assert [c.strip() for c in fast.strip("|").split("|")][3:5] == ["81.2%", "1536.0"]
+    stock = next(line for line in arms.splitlines() if line.startswith("| stock (baseline) | `"))
+    assert [c.strip() for c in stock.strip("|").split("|")][3:5] == ["-", "-"]
+    broken = next(line for line in arms.splitlines() if line.startswith("| broken | `"))
+    assert broken.rstrip().endswith("| - | - | FAILED: out of memory |")
+    detail = next(line for line in arms.splitlines() if line.startswith("| fast | 81.2%"))
+    assert [c.strip() for c in detail.strip("|").split("|")] == [
+        "fast", "81.2%", "90.0%", "1200", "3072.0", "900", "32", "1536.0", "0.42"]
+    # every table row has as many cells as its header
+    for block in arms.split("\n\n"):
+        rows = [line for line in block.splitlines() if line.startswith("|")]
+        if rows:
+            widths = {len(line.replace("\\|", "").strip("|").split("|")) for line in rows}
+            assert len(widths) == 1, block
 
 
 def test_runner_refuses_a_too_small_context(tmp_path, fake_server_bin, capsys):

@@ -117,8 +117,10 @@ def test_demo_makes_the_model_once_and_serves_it_on_loopback(tmp_path, monkeypat
 
     monkeypatch.setattr(moecache.synth, "write_model", fake_write_model)
     monkeypatch.setattr(server, "_server_binary", lambda: "llama-server")
+    monkeypatch.setattr(server, "cuda_devices", lambda exe: [])
     runs = []
-    monkeypatch.setattr(server, "run_forwarding", lambda cmd, ready_url=None: runs.append((cmd, ready_url)) or 0)
+    monkeypatch.setattr(server, "run_forwarding",
+                        lambda cmd, env=None, ready_url=None: runs.append((cmd, ready_url)) or 0)
 
     assert server.main(["--demo", "-t", "2"]) == 0
     assert server.main(["--demo", "--port", "9123", "--host", "0.0.0.0"]) == 0
@@ -158,3 +160,127 @@ def test_help_lists_our_flags_and_says_all_llama_server_flags_pass(monkeypatch, 
     assert "--demo" in out
     assert "Every llama-server flag is accepted" in out
     assert "build first" in out  # tells how to get llama-server's own help
+
+
+# --- --demo shows the hot-expert cache --------------------------------------------------------
+
+
+@pytest.fixture
+def demo_runs(tmp_path, monkeypatch):
+    """main(["--demo", ...]) with a fake model, a fake binary and no process: the runs it asked for
+    as (cmd, env, ready_url); set `cuda` on the returned list to fake the device list."""
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
+    model = tmp_path / "models" / "demo-seed0.gguf"
+    model.parent.mkdir(parents=True)
+    model.write_bytes(b"GGUF" + b"\0" * 60)
+    for var in (*server.CACHE_SIZE_ENV, *server.EXPERT_PLACEMENT_ENV, *server.REPACK_ENV, *server.METRICS_ENV,
+                server.HOST_DEVICE_ENV):
+        monkeypatch.delenv(var, raising=False)
+
+    class Runs(list):
+        cuda: list[str] | None = []
+
+    runs = Runs()
+    monkeypatch.setattr(server, "_server_binary", lambda: "llama-server")
+    monkeypatch.setattr(server, "cuda_devices", lambda exe: runs.cuda)
+    monkeypatch.setattr(server, "run_forwarding",
+                        lambda cmd, env=None, ready_url=None: runs.append((cmd, env, ready_url)) or 0)
+    return runs
+
+
+def _flag_value(cmd, flag):
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_demo_on_a_cuda_machine_caches_hot_experts_on_the_gpu(demo_runs, capsys):
+    demo_runs.cuda = ["CUDA0"]
+    assert server.main(["--demo"]) == 0
+    [(cmd, env, _)] = demo_runs
+    assert "--cpu-moe" in cmd and "--no-repack" in cmd and "--metrics" in cmd
+    assert _flag_value(cmd, "--moe-cache-slots") == "16"
+    assert env is None  # the server's slots go to the GPU: nothing to add to the environment
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:8080/moe-cache" in err and "http://127.0.0.1:8080/metrics" in err
+    assert "16 slots per layer on CUDA0" in err
+
+
+def test_demo_without_cuda_uses_the_host_device(demo_runs, capsys, monkeypatch):
+    monkeypatch.setenv("SOMETHING_ELSE", "kept")
+    demo_runs.cuda = None  # the device list could not be read: no CUDA
+    assert server.main(["--demo", "--port", "9001"]) == 0
+    [(cmd, env, _)] = demo_runs
+    assert "--cpu-moe" in cmd and "--no-repack" in cmd and _flag_value(cmd, "--moe-cache-slots") == "16"
+    assert env[server.HOST_DEVICE_ENV] == "1"
+    assert env["SOMETHING_ELSE"] == "kept"  # the rest of the environment passes through
+    err = capsys.readouterr().err
+    assert "http://127.0.0.1:9001/moe-cache" in err and "LLAMA_MOE_CACHE_HOST_DEVICE=1" in err
+
+
+def test_tuning_the_cache_keeps_the_demos_slots(demo_runs):
+    assert server.main(["--demo", "--moe-cache-policy", "lru", "--moe-cache-max-uploads", "4"]) == 0
+    [(cmd, _, _)] = demo_runs
+    assert _flag_value(cmd, "--moe-cache-slots") == "16"
+    assert cmd[-4:] == ["--moe-cache-policy", "lru", "--moe-cache-max-uploads", "4"]
+
+
+def test_demo_cache_flags_come_before_the_users_flags(demo_runs):
+    assert server.main(["--demo", "-t", "2"]) == 0
+    [(cmd, _, _)] = demo_runs
+    assert cmd[-2:] == ["-t", "2"]
+    assert cmd.index("--moe-cache-slots") < cmd.index("-t")
+
+
+@pytest.mark.parametrize("user, absent", [
+    (["--moe-cache-slots", "4"], ["16"]),
+    (["--moe-cache-slots=0"], ["--moe-cache-slots"]),
+    (["--moe-cache-size", "512"], ["--moe-cache-slots"]),
+    (["--moe-cache-size=512"], ["--moe-cache-slots"]),
+    (["--n-cpu-moe", "3"], ["--cpu-moe"]),
+    (["-ot", "exps=CPU"], ["--cpu-moe"]),
+    (["-cmoe"], ["--cpu-moe"]),
+    (["--repack"], ["--no-repack"]),
+    (["-nr"], ["--no-repack"]),
+    (["--metrics"], []),
+])
+def test_the_users_own_flags_win(demo_runs, user, absent):
+    assert server.main(["--demo", *user]) == 0
+    [(cmd, _, _)] = demo_runs
+    assert cmd[-len(user):] == user
+    ours = cmd[:-len(user)]
+    for a in absent:
+        assert a not in ours, (a, cmd)
+    assert cmd.count("--metrics") == 1
+
+
+@pytest.mark.parametrize("var, value, absent", [
+    ("LLAMA_ARG_MOE_HOT_K", "4", "--moe-cache-slots"),
+    ("LLAMA_ARG_MOE_CACHE_SIZE", "256", "--moe-cache-slots"),
+    ("LLAMA_ARG_N_CPU_MOE", "2", "--cpu-moe"),
+    ("LLAMA_ARG_REPACK", "1", "--no-repack"),
+])
+def test_the_users_environment_wins(demo_runs, monkeypatch, var, value, absent):
+    monkeypatch.setenv(var, value)
+    assert server.main(["--demo"]) == 0
+    [(cmd, _, _)] = demo_runs
+    assert absent not in cmd
+
+
+def test_a_host_device_setting_of_the_user_is_kept(demo_runs, monkeypatch):
+    monkeypatch.setenv(server.HOST_DEVICE_ENV, "0")
+    assert server.main(["--demo"]) == 0
+    [(_, env, _)] = demo_runs
+    assert env is None  # the inherited environment, with the user's value
+
+
+def test_cuda_devices_reads_the_device_list(tmp_path):
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\necho 'ggml_cuda_init: found 2 CUDA devices' >&2\n"
+                   "printf 'Available devices:\\n  CUDA0: NVIDIA H200 (143771 MiB, 142000 MiB free)\\n"
+                   "  CUDA1: NVIDIA H200 (143771 MiB, 142000 MiB free)\\n  BLAS: OpenBLAS (0 MiB, 0 MiB free)\\n'\n")
+    exe.chmod(0o755)
+    assert server.cuda_devices(exe) == ["CUDA0", "CUDA1"]
+    exe.write_text("#!/bin/sh\nprintf 'Available devices:\\n  (none)\\n'\n")
+    assert server.cuda_devices(exe) == []
+    exe.write_text("#!/bin/sh\nexit 1\n")
+    assert server.cuda_devices(exe) is None
+    assert server.cuda_devices(tmp_path / "missing") is None

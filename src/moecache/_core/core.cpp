@@ -1,4 +1,4 @@
-// moecache._core: thin pybind11 bindings over llama.h and ggml-backend.h.
+// moecache._core: thin pybind11 bindings over llama.h, llama-moe.h and ggml-backend.h.
 //
 // The Python wrapper (moecache/api.py) validates arguments and turns the results into Python
 // objects; this file only loads models, makes contexts, runs the decode loops with the GIL
@@ -11,16 +11,19 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
+#include "llama-moe.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <stdexcept>
 #include <string>
@@ -236,6 +239,7 @@ static std::shared_ptr<model_handle> load_model(
         const std::string & path,
         int n_gpu_layers,
         int n_cpu_moe,
+        bool cpu_moe,
         const std::vector<std::pair<std::string, std::string>> & tensor_overrides,
         bool use_mmap,
         bool use_mlock,
@@ -254,11 +258,16 @@ static std::shared_ptr<model_handle> load_model(
     }
     handle->arch = read_gguf_arch(path);
 
-    // Overrides, first match wins: the n_cpu_moe block regexes (upstream's --n-cpu-moe), then the
-    // caller's. The pattern strings must outlive the load.
+    // Overrides, first match wins: cpu_moe's regex for every layer (upstream's --cpu-moe), the
+    // n_cpu_moe block regexes (upstream's --n-cpu-moe), then the caller's. The pattern strings must
+    // outlive the load.
     const auto bufts = buffer_types_by_name();
     std::vector<std::string> patterns;
     std::vector<ggml_backend_buffer_type_t> targets;
+    if (cpu_moe) {
+        patterns.push_back("\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
+        targets.push_back(ggml_backend_cpu_buffer_type());
+    }
     for (int il = 0; il < n_cpu_moe; il++) {
         patterns.push_back("blk\\." + std::to_string(il) + "\\.ffn_(up|down|gate|gate_up)_(ch|)exps");
         targets.push_back(ggml_backend_cpu_buffer_type());
@@ -461,19 +470,76 @@ static llama_context * new_context(const model_handle & m, const llama_context_p
     llama_context * ctx = llama_init_from_model(m.model, params);
     if (!ctx) {
         const auto lines = log_lines_since(mark, 12);
-        const std::string sizes = "n_ctx=" + std::to_string(params.n_ctx) + ", n_batch=" + std::to_string(params.n_batch) +
-                                  ", n_ubatch=" + std::to_string(params.n_ubatch);
+        std::string sizes = "n_ctx=" + std::to_string(params.n_ctx) + ", n_batch=" + std::to_string(params.n_batch) +
+                            ", n_ubatch=" + std::to_string(params.n_ubatch);
+        const bool cache = params.moe_cache.n_slots > 0 || params.moe_cache.size_mib > 0;
+        if (params.moe_cache.n_slots > 0) {
+            sizes += ", moe_cache_slots=" + std::to_string(params.moe_cache.n_slots);
+        } else if (params.moe_cache.size_mib > 0) {
+            sizes += ", moe_cache_size_mib=" + std::to_string(params.moe_cache.size_mib);
+        }
         if (log_mentions_allocation_failure(lines)) {
             throw out_of_memory_error("not enough memory for a context with " + sizes +
-                                      " (KV cache and compute buffers): lower n_ctx or n_ubatch. llama.cpp said:\n" + join_log(lines));
+                                      (cache ? " (KV cache, compute buffers and expert cache slots): lower n_ctx, n_ubatch "
+                                               "or the expert cache size. llama.cpp said:\n"
+                                             : " (KV cache and compute buffers): lower n_ctx or n_ubatch. llama.cpp said:\n") +
+                                      join_log(lines));
         }
         throw std::runtime_error("could not create a context with " + sizes + ". llama.cpp said:\n" + join_log(lines));
     }
     return ctx;
 }
 
+static enum llama_moe_cache_policy parse_moe_cache_policy(const std::string & name) {
+    if (name == "freq") {
+        return LLAMA_MOE_CACHE_POLICY_FREQ;
+    }
+    if (name == "lru") {
+        return LLAMA_MOE_CACHE_POLICY_LRU;
+    }
+    throw std::invalid_argument("moe_cache_policy must be 'freq' or 'lru' (got '" + name + "')");
+}
+
+static void check_at_least(const char * name, int value, int minimum) {
+    if (value < minimum) {
+        throw std::invalid_argument(std::string(name) + " must be >= " + std::to_string(minimum) + " (got " +
+                                    std::to_string(value) + ")");
+    }
+}
+
+// The hot-expert cache settings of a context (the wrapper checks them first, with the same rules).
+static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
+                                                    int rebalance_interval, int max_batch, int admit_misses,
+                                                    int admit_window, int max_uploads) {
+    check_at_least("moe_cache_slots", slots, 0);
+    check_at_least("moe_cache_size_mib", size_mib, 0);
+    check_at_least("moe_cache_rebalance_interval", rebalance_interval, 1);
+    check_at_least("moe_cache_max_batch", max_batch, 1);
+    if (max_batch > 64) {
+        throw std::invalid_argument("moe_cache_max_batch must be <= 64 (got " + std::to_string(max_batch) + ")");
+    }
+    check_at_least("moe_cache_admit_misses", admit_misses, 1);
+    check_at_least("moe_cache_admit_window", admit_window, 1);
+    check_at_least("moe_cache_max_uploads", max_uploads, 1);
+    llama_moe_cache_params p = llama_moe_cache_default_params();
+    p.n_slots = slots;
+    p.size_mib = size_mib;
+    p.policy = parse_moe_cache_policy(policy);
+    p.rebalance_interval = rebalance_interval;
+    p.max_batch = max_batch;
+    p.admit_misses = admit_misses;
+    p.admit_window = admit_window;
+    p.max_uploads = max_uploads;
+    p.routing_trace = nullptr; // record_routing starts and stops a trace
+    return p;
+}
+
 static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle> m, int n_ctx, int n_batch, int n_ubatch,
-                                                    int n_threads, const std::string & flash_attn) {
+                                                    int n_threads, const std::string & flash_attn, int moe_cache_slots,
+                                                    int moe_cache_size_mib, const std::string & moe_cache_policy,
+                                                    int moe_cache_rebalance_interval, int moe_cache_max_batch,
+                                                    int moe_cache_admit_misses, int moe_cache_admit_window,
+                                                    int moe_cache_max_uploads) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -501,6 +567,9 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.n_threads = n_threads;
     params.n_threads_batch = n_threads;
     params.no_perf = true; // we time prefill and decode ourselves
+    params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
+                                             moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
+                                             moe_cache_admit_window, moe_cache_max_uploads);
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -674,6 +743,11 @@ static std::pair<py::array_t<int32_t>, std::vector<int>> trace_routing(context_h
     llama_context_params params = c.params;
     params.cb_eval = trace_eval_callback;
     params.cb_eval_user_data = &trace;
+    // the tracing context takes the stock path: no expert cache of its own (slot banks, uploads)
+    // and no routing trace file (the generation context's record_routing owns that)
+    params.moe_cache.n_slots = 0;
+    params.moe_cache.size_mib = 0;
+    params.moe_cache.routing_trace = nullptr;
     std::unique_ptr<llama_context, decltype(&llama_free)> tctx(nullptr, &llama_free);
     std::unique_ptr<llama_batch, void (*)(llama_batch *)> batch(new llama_batch(llama_batch_init(params.n_batch, 0, 1)),
                                                                [](llama_batch * b) { llama_batch_free(*b); delete b; });
@@ -716,6 +790,241 @@ static std::pair<py::array_t<int32_t>, std::vector<int>> trace_routing(context_h
         il_col++;
     }
     return { out, layers };
+}
+
+//
+// hot-expert cache (llama-moe.h)
+//
+
+// Runs fn with the GIL released and the context locked (the order generate uses: the GIL first,
+// then the lock), so a call waits for a generation in another thread instead of racing it.
+template <typename F>
+static auto with_context_locked(context_handle & c, F && fn) -> decltype(fn()) {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(c.mutex);
+    return fn();
+}
+
+static int32_t model_n_expert(const model_handle & m) {
+    const std::string value = meta_string(m.model, m.arch + ".expert_count");
+    try {
+        return value.empty() ? 0 : (int32_t) std::stol(value);
+    } catch (const std::exception &) {
+        return 0;
+    }
+}
+
+static bool moe_cache_configured(const context_handle & c) {
+    return c.params.moe_cache.n_slots > 0 || c.params.moe_cache.size_mib > 0;
+}
+
+// Why the context has no cache (il == -1) or why layer il has none, as a message that names the
+// fix. Called with the context locked.
+static std::string moe_cache_why_not(const context_handle & c, int32_t il) {
+    const int32_t n_layer = llama_model_n_layer(c.model->model);
+    if (il >= 0) {
+        const char * reason = llama_moe_cache_layer_reason(c.ctx, il);
+        if (!reason) {
+            return "layer " + std::to_string(il) + " is out of range [0, " + std::to_string(n_layer) + ")";
+        }
+        if (!moe_cache_configured(c)) {
+            return "layer " + std::to_string(il) + " has no expert cache: this context has none "
+                   "(make it with moe_cache_slots=N or moe_cache_size_mib=M)";
+        }
+        return "layer " + std::to_string(il) + " has no expert cache" + (*reason ? std::string(": ") + reason : std::string());
+    }
+    if (!moe_cache_configured(c)) {
+        return "this context has no expert cache (moe_cache_slots=0 and moe_cache_size_mib=0: make the context "
+               "with moe_cache_slots=N or moe_cache_size_mib=M)";
+    }
+    // group the layers by reason: "layers 0, 1, 2: <reason>; layer 3: <reason>"
+    std::vector<std::pair<std::string, std::vector<int32_t>>> groups;
+    for (int32_t i = 0; i < n_layer; i++) {
+        const char * reason = llama_moe_cache_layer_reason(c.ctx, i);
+        const std::string r = reason && *reason ? reason : "(no reason given)";
+        auto it = std::find_if(groups.begin(), groups.end(), [&](const auto & g) { return g.first == r; });
+        if (it == groups.end()) {
+            groups.push_back({ r, { i } });
+        } else {
+            it->second.push_back(i);
+        }
+    }
+    std::string msg = "this context has no expert cache: no layer could be cached";
+    for (size_t g = 0; g < groups.size(); g++) {
+        msg += g == 0 ? " (" : "; ";
+        msg += groups[g].second.size() > 1 ? "layers " : "layer ";
+        for (size_t j = 0; j < groups[g].second.size(); j++) {
+            msg += (j ? ", " : "") + std::to_string(groups[g].second[j]);
+        }
+        msg += ": " + groups[g].first;
+    }
+    return msg + (groups.empty() ? "" : ")");
+}
+
+static py::dict moe_cache_stats_dict(const llama_moe_cache_stats & s) {
+    py::dict bypassed;
+    bypassed["batch"] = s.batches_bypassed[LLAMA_MOE_CACHE_BYPASS_BATCH];
+    bypassed["warmup"] = s.batches_bypassed[LLAMA_MOE_CACHE_BYPASS_WARMUP];
+    py::dict d;
+    d["n_tokens"] = s.n_tokens;
+    d["hits"] = s.hits;
+    d["misses"] = s.misses;
+    d["hit_rate"] = s.hit_rate;
+    d["hit_rate_recent"] = s.hit_rate_recent;
+    d["uploads"] = s.uploads;
+    d["bytes_uploaded"] = s.bytes_uploaded;
+    d["evictions"] = s.evictions;
+    d["batches_cached"] = s.batches_cached;
+    d["batches_bypassed"] = bypassed;
+    d["rebalances"] = s.rebalances;
+    d["step_ms_max"] = s.step_ms_max;
+    d["step_ms_total"] = s.step_ms_total;
+    d["n_slots"] = s.n_slots;
+    d["n_resident"] = s.n_resident;
+    d["n_layers_cached"] = s.n_layers_cached;
+    d["bytes_vram"] = s.bytes_vram;
+    return d;
+}
+
+static py::dict moe_cache_stats(context_handle & c, int32_t il) {
+    if (il < -1) {
+        throw std::invalid_argument("moe_cache_stats: layer must be >= 0, or -1 for the total (got " + std::to_string(il) + ")");
+    }
+    llama_moe_cache_stats s{};
+    std::string error;
+    with_context_locked(c, [&]() {
+        if (!llama_moe_cache_get_stats(c.ctx, il, &s)) {
+            error = moe_cache_why_not(c, il);
+        }
+    });
+    if (!error.empty()) {
+        throw std::invalid_argument("moe_cache_stats: " + error);
+    }
+    return moe_cache_stats_dict(s);
+}
+
+// None when layer il has a cache, else why not.
+static py::object moe_cache_layer_reason(context_handle & c, int32_t il) {
+    bool in_range = false;
+    std::string reason;
+    with_context_locked(c, [&]() {
+        const char * r = llama_moe_cache_layer_reason(c.ctx, il);
+        in_range = r != nullptr;
+        reason = r ? r : "";
+    });
+    if (!in_range) {
+        throw std::invalid_argument("moe_cache_layer_reason: layer " + std::to_string(il) + " is out of range [0, " +
+                                    std::to_string(llama_model_n_layer(c.model->model)) + ")");
+    }
+    if (reason.empty()) {
+        return py::none();
+    }
+    return py::str(reason);
+}
+
+static std::vector<int32_t> moe_cache_resident(context_handle & c, int32_t il) {
+    if (il < 0) {
+        throw std::invalid_argument("moe_cache_resident: layer must be >= 0 (got " + std::to_string(il) + ")");
+    }
+    std::vector<int32_t> experts((size_t) std::max<int32_t>(model_n_expert(*c.model), 256));
+    std::string error;
+    with_context_locked(c, [&]() {
+        int32_t n = llama_moe_cache_resident(c.ctx, il, experts.data(), (int32_t) experts.size());
+        if (n > (int32_t) experts.size()) { // more than the buffer holds: ask again with room for all
+            experts.resize(n);
+            n = llama_moe_cache_resident(c.ctx, il, experts.data(), (int32_t) experts.size());
+        }
+        if (n < 0) {
+            error = moe_cache_why_not(c, il);
+            n = 0;
+        }
+        experts.resize(std::min<size_t>((size_t) n, experts.size()));
+    });
+    if (!error.empty()) {
+        throw std::invalid_argument("moe_cache_resident: " + error);
+    }
+    return experts;
+}
+
+static void moe_cache_pin(context_handle & c, int32_t il, int32_t expert) {
+    if (il < 0) {
+        throw std::invalid_argument("moe_cache_pin: layer must be >= 0 (got " + std::to_string(il) + ")");
+    }
+    std::string error;
+    with_context_locked(c, [&]() {
+        const int32_t rc = llama_moe_cache_pin(c.ctx, il, expert);
+        if (rc == 0) {
+            return;
+        }
+        if (rc == -1) {
+            error = moe_cache_why_not(c, il);
+        } else if (rc == -2) {
+            const int32_t n_expert = model_n_expert(*c.model);
+            error = "expert " + std::to_string(expert) + " is out of range" +
+                    (n_expert > 0 ? " [0, " + std::to_string(n_expert) + ")" : std::string()) + " in layer " + std::to_string(il);
+        } else if (rc == -3) {
+            llama_moe_cache_stats s{};
+            const bool have = llama_moe_cache_get_stats(c.ctx, il, &s);
+            error = "every slot of layer " + std::to_string(il) + " is pinned" +
+                    (have ? " (" + std::to_string(s.n_slots) + " slots)" : std::string()) +
+                    ": expert " + std::to_string(expert) + " cannot be pinned too. Pin fewer experts or make the "
+                    "context with more moe_cache_slots";
+        } else {
+            error = "llama_moe_cache_pin failed with code " + std::to_string(rc);
+        }
+    });
+    if (!error.empty()) {
+        throw std::invalid_argument("moe_cache_pin: " + error);
+    }
+}
+
+static std::string moe_cache_stats_json(context_handle & c) {
+    std::string out;
+    int32_t failed = 0;
+    with_context_locked(c, [&]() {
+        int32_t n = llama_moe_cache_stats_json(c.ctx, nullptr, 0);
+        // the stats may grow between the two calls (uploads finish in the background): ask again until it fits
+        for (int attempt = 0; n >= 0 && attempt < 8; attempt++) {
+            out.assign((size_t) n + 1, '\0');
+            const int32_t m = llama_moe_cache_stats_json(c.ctx, &out[0], out.size());
+            if (m < 0) {
+                n = m;
+                break;
+            }
+            if ((size_t) m < out.size()) {
+                out.resize(m);
+                return;
+            }
+            n = m;
+        }
+        failed = n < 0 ? n : -1;
+    });
+    if (failed) {
+        throw std::runtime_error("llama_moe_cache_stats_json failed (code " + std::to_string(failed) + ")");
+    }
+    return out;
+}
+
+// Start (path) or stop (None) the JSONL routing trace; OSError (with errno's subclass when the C
+// library left one, e.g. FileNotFoundError) naming the path when it cannot be opened.
+static void record_routing(context_handle & c, const std::optional<std::string> & path) {
+    bool ok = true;
+    int err = 0;
+    with_context_locked(c, [&]() {
+        errno = 0;
+        ok = llama_moe_routing_trace(c.ctx, path ? path->c_str() : nullptr);
+        err = errno;
+    });
+    if (ok) {
+        return;
+    }
+    const std::string where = path ? *path : std::string("(none)");
+    py::object os_error = py::module_::import("builtins").attr("OSError");
+    py::object exc = err != 0
+        ? os_error(err, "cannot record the routing trace into this file: " + std::string(strerror(err)), where)
+        : os_error("cannot record the routing trace into '" + where + "' (the file could not be opened for writing)");
+    PyErr_SetObject((PyObject *) Py_TYPE(exc.ptr()), exc.ptr());
+    throw py::error_already_set();
 }
 
 //
@@ -783,7 +1092,7 @@ PYBIND11_MODULE(_core, mod) {
 
     py::class_<model_handle, std::shared_ptr<model_handle>>(mod, "Model")
         .def(py::init(&load_model), py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0,
-             py::arg("tensor_overrides") = std::vector<std::pair<std::string, std::string>>(), py::arg("use_mmap") = true,
+             py::arg("cpu_moe") = false, py::arg("tensor_overrides") = std::vector<std::pair<std::string, std::string>>(), py::arg("use_mmap") = true,
              py::arg("use_mlock") = false, py::arg("pinned") = false, py::arg("repack") = true,
              py::arg("verbose") = false)
         .def_readonly("path", &model_handle::path)
@@ -847,7 +1156,11 @@ PYBIND11_MODULE(_core, mod) {
 
     py::class_<context_handle, std::shared_ptr<context_handle>>(mod, "Context")
         .def(py::init(&make_context), py::arg("model"), py::arg("n_ctx") = 4096, py::arg("n_batch") = 2048,
-             py::arg("n_ubatch") = 512, py::arg("n_threads") = 4, py::arg("flash_attn") = "auto")
+             py::arg("n_ubatch") = 512, py::arg("n_threads") = 4, py::arg("flash_attn") = "auto",
+             py::arg("moe_cache_slots") = 0, py::arg("moe_cache_size_mib") = 0, py::arg("moe_cache_policy") = "freq",
+             py::arg("moe_cache_rebalance_interval") = 40, py::arg("moe_cache_max_batch") = 8,
+             py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
+             py::arg("moe_cache_max_uploads") = 2)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
@@ -872,5 +1185,23 @@ PYBIND11_MODULE(_core, mod) {
         }, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("seed") = 0,
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("stop") = std::vector<std::string>())
         .def("trace_routing", &trace_routing, py::arg("tokens"),
-             "(ids [n_tokens, n_moe_layers, n_expert_used] int32, the layer index of each column)");
+             "(ids [n_tokens, n_moe_layers, n_expert_used] int32, the layer index of each column)")
+        .def("moe_cache_enabled", [](const context_handle & c) { return llama_moe_cache_enabled(c.ctx); },
+             "whether the context has a hot-expert cache with at least one cached layer")
+        .def("moe_cache_stats", &moe_cache_stats, py::arg("layer") = -1,
+             "stats of one cached layer, or of all of them with layer=-1 (ValueError when there is no cache there)")
+        .def("moe_cache_layer_reason", &moe_cache_layer_reason, py::arg("layer"),
+             "why the layer has no cache, or None when it has one")
+        .def("moe_cache_resident", &moe_cache_resident, py::arg("layer"), "the experts published in the layer's slots")
+        .def("moe_cache_reset_stats", [](context_handle & c) {
+            with_context_locked(c, [&]() { llama_moe_cache_reset_stats(c.ctx); });
+        })
+        .def("moe_cache_pin", &moe_cache_pin, py::arg("layer"), py::arg("expert"),
+             "keep an expert resident in a layer (uploaded at the next step, never evicted)")
+        .def("moe_cache_rebalance", [](context_handle & c) {
+            with_context_locked(c, [&]() { llama_moe_cache_rebalance(c.ctx); });
+        }, "run the policy now, wait for the uploads and publish them")
+        .def("moe_cache_stats_json", &moe_cache_stats_json, "all stats as JSON text (total, per layer, configuration)")
+        .def("record_routing", &record_routing, py::arg("path"),
+             "write the routed experts of accepted tokens as JSONL into path; None stops");
 }

@@ -174,6 +174,18 @@ def _md_cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def _fmt_rate(r: float | None) -> str:
+    return "-" if r is None else f"{100 * r:.1f}%"
+
+
+def _fmt_mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _fmt_count(n: int | float | None) -> str:
+    return "-" if n is None else f"{n:g}" if isinstance(n, float) else str(n)
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
     hw = run["hardware"]
@@ -202,15 +214,48 @@ def render_markdown(run: dict) -> str:
         "Each arm ran against its own freshly started llama-server on loopback, one after the other in "
         "this run. Server arguments (shared ones first, then the arm's own):",
         "",
-        "| arm | server args | env | note |",
-        "| --- | --- | --- | --- |",
     ]
+    # the expert cache's columns only when an arm had one
+    cached = [a for a in run["arms"] if a.get("moe_cache")]
+    if cached:
+        lines += ["| arm | server args | env | hit rate | cache MiB | note |",
+                  "| --- | --- | --- | ---: | ---: | --- |"]
+    else:
+        lines += ["| arm | server args | env | note |",
+                  "| --- | --- | --- | --- |"]
     for a in run["arms"]:
         name = a["name"] + (" (baseline)" if a["baseline"] else "")
         args = " ".join(shlex.quote(x) for x in a["server_args"])
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in a["env"].items()) or "-"
         note = ("FAILED: " + a["error"]) if a.get("error") else (a.get("description") or "")
-        lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} | {_md_cell(note)} |")
+        cache = ""
+        if cached:
+            c = a.get("moe_cache") or {}
+            cache = f" {_fmt_rate(c.get('hit_rate'))} | {_fmt_mib(c.get('bytes_vram'))} |"
+        lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} |{cache} {_md_cell(note)} |")
+    if cached:
+        lines += [
+            "",
+            "### Expert cache",
+            "",
+            "The hot-expert cache's counters over all of an arm's requests (warm-ups included), read from "
+            "the server's `/moe-cache` after its last request: the share of routed (token, expert) pairs "
+            "that a slot served (overall and over the last 256 tokens), experts uploaded into slots and "
+            "the evictions among them, the slots per cached layer, the memory of the slot banks and the "
+            "longest time a decode step spent in the cache's bookkeeping.",
+            "",
+            "| arm | hit rate | recent hit rate | uploads | uploaded MiB | evictions | slots/layer | cache MiB "
+            "| max step ms |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for a in cached:
+            c = a["moe_cache"]
+            step = c.get("step_ms_max")
+            lines.append(
+                f"| {_md_cell(a['name'])} | {_fmt_rate(c.get('hit_rate'))} | {_fmt_rate(c.get('hit_rate_recent'))} "
+                f"| {_fmt_count(c.get('uploads'))} | {_fmt_mib(c.get('bytes_uploaded'))} "
+                f"| {_fmt_count(c.get('evictions'))} | {_fmt_count(c.get('n_slots'))} "
+                f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if step is None else f'{step:.2f}'} |")
     lines += [
         "",
         "## Results",

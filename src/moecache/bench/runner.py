@@ -167,6 +167,36 @@ def server_n_ctx(srv: ServerProcess) -> int | None:
     return None
 
 
+# the hot-expert cache's totals that a run records per arm (from the server's GET /moe-cache)
+MOE_CACHE_FIELDS = ("hit_rate", "hit_rate_recent", "uploads", "bytes_uploaded", "evictions", "step_ms_max",
+                    "n_slots", "bytes_vram")
+
+
+def moe_cache_summary(body: object) -> dict | None:
+    """The MOE_CACHE_FIELDS of a /moe-cache answer whose "enabled" is true, else None. The totals
+    are read from its "total" object (or the top level), a field missing there from its
+    configuration ("config"/"params") or the top level; a field found nowhere is None."""
+    if not isinstance(body, dict) or body.get("enabled") is not True:
+        return None
+    total = body.get("total") if isinstance(body.get("total"), dict) else body
+    places = [total] + [body[k] for k in ("config", "params", "configuration") if isinstance(body.get(k), dict)] + [body]
+    out = {}
+    for name in MOE_CACHE_FIELDS:
+        value = next((p[name] for p in places if p.get(name) is not None), None)
+        out[name] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return out
+
+
+def fetch_moe_cache(srv: ServerProcess) -> dict | None:
+    """The server's expert cache totals (moe_cache_summary of GET /moe-cache), or None when it has no
+    cache, no such endpoint, or does not answer."""
+    try:
+        status, body = srv.get("/moe-cache", timeout=30)
+    except (OSError, http.client.HTTPException):
+        return None
+    return moe_cache_summary(body) if status == 200 else None
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -300,6 +330,14 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 row["predicted_n"] = row["samples"][0]["predicted_n"] if row["samples"] else None
                 for m in ("prefill_tps", "ttft_ms", "decode_tps"):
                     row[m] = summarize(s.get(m) for s in row["samples"])
+            # the expert cache's counters over all of the arm's requests (warm-ups included)
+            cache = fetch_moe_cache(srv) if srv.proc is not None and srv.proc.poll() is None else None
+            if cache:
+                rec["moe_cache"] = cache
+                hr, mib = cache.get("hit_rate"), cache.get("bytes_vram")
+                say(f"  expert cache: hit rate {'-' if hr is None else f'{hr:.3f}'}, "
+                    f"{cache.get('uploads')} uploads, {cache.get('evictions')} evictions, "
+                    f"{'-' if mib is None else f'{mib / 2**20:.1f}'} MiB of slots")
         finally:
             rc = srv.stop()
             rec["exit_status"] = rc

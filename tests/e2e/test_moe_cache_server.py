@@ -1,0 +1,157 @@
+"""Hot-expert cache (patch 0002) through the real llama-server on loopback.
+
+CI has no GPU: LLAMA_MOE_CACHE_HOST_DEVICE=1 puts the slot banks in host memory, so the hit/miss
+split, the maps, the uploads and their publishing all run on every CI run (hits and misses both on
+the CPU). LLAMA_MOE_CACHE_HOLD_EMPTY=1 keeps the cache empty: every expert is then a miss and the
+output must be bit-identical to the stock path. The same checks on CUDA are in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moecache.server import ServerError, ServerProcess
+
+BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The committee met on Tuesday to discuss the budget for the coming year, and",
+]
+N_EXPERT = 16  # the tiny preset
+N_USED = 4
+N_LAYER = 4
+HOST = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1"}
+
+
+def complete(srv, prompt, n_predict=32):
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+            "return_tokens": True, "n_probs": 4}
+    status, out = srv.post("/completion", body, timeout=300)
+    assert status == 200, out
+    return out
+
+
+def probs(out):
+    return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
+
+
+def cache_stats(srv):
+    status, body = srv.get("/moe-cache")
+    assert status == 200, body
+    return body if isinstance(body, dict) else json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model, llama_server_bin):
+    with ServerProcess(tiny_model, args=BASE_ARGS, timeout=120) as srv:
+        yield [complete(srv, p) for p in PROMPTS], srv.get("/moe-cache")[1]
+
+
+def test_stock_server_reports_no_cache(stock):
+    _, body = stock
+    body = body if isinstance(body, dict) else json.loads(body)
+    assert body["enabled"] is False
+
+
+def test_held_empty_cache_is_bit_identical_to_stock(tiny_model, stock):
+    """Every expert a miss: the hot half is all zeros, and the result must equal the stock path exactly."""
+    ref, _ = stock
+    env = {**HOST, "LLAMA_MOE_CACHE_HOLD_EMPTY": "1"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "8"], env=env, timeout=120) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+    for a, b in zip(ref, outs):
+        assert a["tokens"] == b["tokens"]
+        assert probs(a) == probs(b)  # exact, not approximately
+    tot = st["total"]
+    assert st["enabled"] is True and st["n_slots"] == 8 and st["n_layers_cached"] == N_LAYER
+    assert tot["hits"] == 0 and tot["uploads"] == 0 and tot["n_resident"] == 0
+    # every decoded token but the last of each request is committed: routed pairs are whole tokens
+    assert tot["misses"] > 0 and tot["misses"] == tot["n_tokens"] * N_USED * N_LAYER
+    assert tot["batches_bypassed"]["batch"] >= len(PROMPTS)  # the prompts are longer than 8 tokens
+    assert tot["batches_cached"] >= tot["n_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["freq", "lru"])
+def test_cache_with_every_expert_matches_stock(tiny_model, stock, policy):
+    """All experts fit: after a warm-up request the decode runs (almost) only on the slots, and the
+    greedy output equals the stock path token for token."""
+    ref, _ = stock
+    args = BASE_ARGS + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-policy", policy,
+                        "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        complete(srv, PROMPTS[0] * 3, n_predict=48)  # warm-up: fill the slots
+        warm = cache_stats(srv)["total"]
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+        status, metrics = srv.get("/metrics")
+    for a, b in zip(ref, outs):
+        assert a["tokens"] == b["tokens"]
+        for pa, pb in zip(probs(a), probs(b)):
+            assert [i for i, _ in pa] == [i for i, _ in pb]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(pa, pb)) < 1e-3
+    tot = st["total"]
+    assert warm["uploads"] > 0 and tot["uploads"] >= warm["uploads"]
+    assert tot["bytes_uploaded"] > 0
+    assert tot["hits"] > warm["hits"]
+    assert 0.0 < tot["hit_rate"] <= 1.0 and 0.0 <= tot["hit_rate_recent"] <= 1.0
+    assert tot["hit_rate_recent"] > 0.5, tot
+    assert tot["hits"] + tot["misses"] == tot["n_tokens"] * N_USED * N_LAYER
+    assert st["policy"] == policy
+    for layer in st["layers"]:
+        assert layer["cached"] is True
+        assert len(layer["resident"]) == layer["n_resident"] <= N_EXPERT
+        assert len(set(layer["resident"])) == len(layer["resident"])
+    assert status == 200
+    text = metrics if isinstance(metrics, str) else json.dumps(metrics)
+    assert "llamacpp:moe_cache_hits_total" in text and "llamacpp:moe_cache_hit_rate" in text
+
+
+def test_small_cache_counts_evictions_and_traces_routing(tiny_model, tmp_path):
+    """4 slots of 16: experts come and go; the routing trace has one JSON line per accepted token."""
+    trace = tmp_path / "routing.jsonl"
+    args = BASE_ARGS + ["--moe-cache-slots", "4", "--moe-cache-policy", "lru", "--moe-cache-admit-misses", "1",
+                        "--moe-routing-trace", str(trace)]
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        for p in PROMPTS:
+            complete(srv, p, n_predict=40)
+        st = cache_stats(srv)["total"]
+    assert st["evictions"] > 0 and st["uploads"] > st["evictions"] - 1
+    assert 0.0 < st["hit_rate"] < 1.0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) >= 2 * 38
+    decoded = [x for x in lines if x["cached"]]
+    assert decoded, "no decode tokens in the trace"
+    assert all(len(x["layers"]) == N_LAYER for x in decoded)
+    for x in lines:
+        assert set(x) == {"seq", "pos", "cached", "layers"}
+        # the last layer runs only the rows of output tokens: prompt tokens miss it
+        assert len(x["layers"]) == N_LAYER or (len(x["layers"]) == N_LAYER - 1 and str(N_LAYER - 1) not in x["layers"])
+        for ids in x["layers"].values():
+            assert len(ids) == N_USED and len(set(ids)) == N_USED
+            assert all(0 <= i < N_EXPERT for i in ids)
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--moe-cache-policy", "bogus", "--moe-cache-policy"),
+    ("--moe-cache-slots", "-3", "--moe-cache-slots"),
+    ("--moe-cache-max-batch", "0", "--moe-cache-max-batch"),
+])
+def test_bad_cache_flags_fail_with_a_clear_error(tiny_model, llama_server_bin, flag, value, expect):
+    with pytest.raises(ServerError) as e:
+        with ServerProcess(tiny_model, args=BASE_ARGS + [flag, value], timeout=60):
+            pass
+    assert expect in str(e.value) and value in str(e.value)
+
+
+def test_layers_on_the_cpu_are_not_cached_without_a_gpu(tiny_model, llama_server_bin):
+    """Without the test device the cache refuses CPU-only layers and says why; output unchanged."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "4"], timeout=120) as srv:
+        st = cache_stats(srv)
+        log = srv.log_text()
+    assert st["enabled"] is False
+    assert "no layer can use the hot-expert cache" in log
+    assert all(layer["cached"] is False for layer in st["layers"])
+    assert "no GPU" in st["layers"][0]["reason"]

@@ -1,0 +1,82 @@
+"""Hot-expert cache on CUDA (patch 0002): the equality checks of tests/e2e/test_moe_cache_server.py
+with the slot banks in VRAM and the misses on the CPU. Through the server (own process).
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-lm", "none", "--no-webui"]
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The committee met on Tuesday to discuss the budget for the coming year, and",
+]
+N_EXPERT, N_USED, N_LAYER = 16, 4, 4  # the tiny preset
+
+
+def complete(srv, prompt, n_predict=32):
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+            "return_tokens": True, "n_probs": 4}
+    status, out = srv.post("/completion", body, timeout=300)
+    assert status == 200, out
+    return out
+
+
+def logprobs(out):
+    return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
+
+
+def max_logprob_diff(a, b):
+    d = 0.0
+    for pa, pb in zip(logprobs(a), logprobs(b)):
+        assert pa[0][0] == pb[0][0]
+        d = max(d, abs(pa[0][1] - pb[0][1]))
+    return d
+
+
+def stats(srv):
+    status, body = srv.get("/moe-cache")
+    assert status == 200
+    return body if isinstance(body, dict) else json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model):
+    with ServerProcess(tiny_model, args=BASE_ARGS, timeout=180) as srv:
+        yield [complete(srv, p) for p in PROMPTS]
+
+
+def test_held_empty_cache_on_cuda_matches_stock(tiny_model, stock):
+    env = {"LLAMA_MOE_CACHE_HOLD_EMPTY": "1"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "8"], env=env, timeout=180) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = stats(srv)
+        assert "CUDA0" in srv.log_text()
+    assert st["enabled"] and st["total"]["hits"] == 0 and st["total"]["misses"] > 0
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("policy", ["freq", "lru"])
+def test_cache_on_cuda_matches_stock(tiny_model, stock, policy):
+    args = BASE_ARGS + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-policy", policy,
+                        "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        complete(srv, PROMPTS[0] * 3, n_predict=48)
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = stats(srv)["total"]
+    assert st["uploads"] > 0 and st["hit_rate_recent"] > 0.5, st
+    assert st["hits"] + st["misses"] == st["n_tokens"] * N_USED * N_LAYER
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        # hits run on the GPU, misses on the CPU: only device rounding may differ
+        assert max_logprob_diff(a, b) < 2e-2

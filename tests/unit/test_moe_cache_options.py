@@ -1,0 +1,243 @@
+"""The hot-expert cache options of a Context: defaults, environment variables, and the checks that
+refuse bad values with a message naming the argument or the variable (no native module needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moecache import api
+
+DEFAULTS = {
+    "moe_cache_slots": 0,
+    "moe_cache_size_mib": 0,
+    "moe_cache_policy": "freq",
+    "moe_cache_rebalance_interval": 40,
+    "moe_cache_max_batch": 8,
+    "moe_cache_admit_misses": 2,
+    "moe_cache_admit_window": 16,
+    "moe_cache_max_uploads": 2,
+}
+
+ENV = {
+    "moe_cache_slots": "LLAMA_ARG_MOE_HOT_K",
+    "moe_cache_size_mib": "LLAMA_ARG_MOE_CACHE_SIZE",
+    "moe_cache_policy": "LLAMA_ARG_MOE_CACHE_POLICY",
+    "moe_cache_rebalance_interval": "LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",
+    "moe_cache_max_batch": "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",
+    "moe_cache_admit_misses": "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES",
+    "moe_cache_admit_window": "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW",
+    "moe_cache_max_uploads": "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS",
+}
+
+
+def test_defaults_without_arguments_or_environment():
+    assert api._moe_cache_options({}, {}) == DEFAULTS
+    assert api._moe_cache_options(None, {}) == DEFAULTS
+    # None means "not passed"
+    assert api._moe_cache_options({name: None for name in DEFAULTS}, {}) == DEFAULTS
+
+
+def test_every_option_has_its_environment_variable():
+    assert {name: spec[0] for name, spec in api.MOE_CACHE_OPTIONS.items()} == ENV
+
+
+def test_os_environ_is_the_default_environment(monkeypatch):
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    assert api._moe_cache_options({}) == DEFAULTS
+    monkeypatch.setenv("LLAMA_ARG_MOE_HOT_K", "12")
+    assert api._moe_cache_options({})["moe_cache_slots"] == 12
+
+
+def test_environment_gives_the_defaults():
+    env = {
+        "LLAMA_ARG_MOE_HOT_K": "16",
+        "LLAMA_ARG_MOE_CACHE_SIZE": "2048",
+        "LLAMA_ARG_MOE_CACHE_POLICY": "lru",
+        "LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL": "100",
+        "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS": "32",
+        "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES": "3",
+        "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW": "64",
+        "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS": "4",
+    }
+    assert api._moe_cache_options({}, env) == {
+        "moe_cache_slots": 16,
+        "moe_cache_size_mib": 2048,
+        "moe_cache_policy": "lru",
+        "moe_cache_rebalance_interval": 100,
+        "moe_cache_max_batch": 32,
+        "moe_cache_admit_misses": 3,
+        "moe_cache_admit_window": 64,
+        "moe_cache_max_uploads": 4,
+    }
+
+
+def test_arguments_win_over_the_environment():
+    env = {"LLAMA_ARG_MOE_HOT_K": "16", "LLAMA_ARG_MOE_CACHE_POLICY": "lru", "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS": "4"}
+    got = api._moe_cache_options({"moe_cache_slots": 0, "moe_cache_policy": "freq", "moe_cache_max_batch": None}, env)
+    assert got["moe_cache_slots"] == 0  # an explicit 0 is passed, not "unset"
+    assert got["moe_cache_policy"] == "freq"
+    assert got["moe_cache_max_batch"] == 4  # None: the environment's
+
+
+def test_an_argument_wins_even_over_a_bad_environment_value():
+    got = api._moe_cache_options({"moe_cache_slots": 3}, {"LLAMA_ARG_MOE_HOT_K": "lots"})
+    assert got["moe_cache_slots"] == 3
+
+
+def test_empty_environment_values_count_as_unset():
+    env = {var: "" for var in ENV.values()}
+    env["LLAMA_ARG_MOE_HOT_K"] = "   "
+    assert api._moe_cache_options({}, env) == DEFAULTS
+
+
+def test_environment_numbers_may_have_spaces_and_signs():
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_HOT_K": " 8\n"})["moe_cache_slots"] == 8
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_HOT_K": "+8"})["moe_cache_slots"] == 8
+
+
+@pytest.mark.parametrize("value", ["freq", "lru"])
+def test_policy_names(value):
+    assert api._moe_cache_options({"moe_cache_policy": value}, {})["moe_cache_policy"] == value
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_CACHE_POLICY": value})["moe_cache_policy"] == value
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_CACHE_POLICY": f" {value}\n"})["moe_cache_policy"] == value
+
+
+@pytest.mark.parametrize("value", ["fifo", "", "lfu", "LRU", "Freq", " lru", 0, 1, True])
+def test_bad_policy_argument_names_the_argument_and_the_choices(value):
+    with pytest.raises(ValueError) as e:
+        api._moe_cache_options({"moe_cache_policy": value}, {})
+    msg = str(e.value)
+    assert "moe_cache_policy" in msg and "'freq'" in msg and "'lru'" in msg and repr(value) in msg
+
+
+@pytest.mark.parametrize("value", ["fifo", "LRU"])  # spelled as llama-server takes them
+def test_bad_policy_in_the_environment_names_the_variable(value):
+    with pytest.raises(ValueError) as e:
+        api._moe_cache_options({}, {"LLAMA_ARG_MOE_CACHE_POLICY": value})
+    msg = str(e.value)
+    assert "LLAMA_ARG_MOE_CACHE_POLICY" in msg and repr(value) in msg and "'lru'" in msg
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("moe_cache_slots", -1),
+    ("moe_cache_size_mib", -1),
+    ("moe_cache_rebalance_interval", 0),
+    ("moe_cache_max_batch", 0),
+    ("moe_cache_max_batch", 65),
+    ("moe_cache_admit_misses", 0),
+    ("moe_cache_admit_window", 0),
+    ("moe_cache_max_uploads", 0),
+    ("moe_cache_slots", 2**31),  # does not fit the C int32
+    ("moe_cache_slots", 1.5),
+    ("moe_cache_slots", "4"),
+    ("moe_cache_slots", True),
+])
+def test_bad_argument_values_name_the_argument(name, bad):
+    with pytest.raises(ValueError) as e:
+        api._moe_cache_options({name: bad}, {})
+    msg = str(e.value)
+    assert msg.startswith(name + " must be an integer")
+    assert repr(bad) in msg or str(bad) in msg
+
+
+@pytest.mark.parametrize("name, good", [
+    ("moe_cache_slots", 0), ("moe_cache_slots", 128), ("moe_cache_size_mib", 0), ("moe_cache_size_mib", 65536),
+    ("moe_cache_rebalance_interval", 1), ("moe_cache_max_batch", 1), ("moe_cache_max_batch", 64),
+    ("moe_cache_admit_misses", 1), ("moe_cache_admit_window", 1), ("moe_cache_max_uploads", 1),
+])
+def test_values_at_the_edges_of_the_ranges(name, good):
+    assert api._moe_cache_options({name: good}, {})[name] == good
+
+
+def test_ranges_are_in_the_messages():
+    with pytest.raises(ValueError, match=r"in \[1, 64\]"):
+        api._moe_cache_options({"moe_cache_max_batch": 100}, {})
+    with pytest.raises(ValueError, match=">= 0"):
+        api._moe_cache_options({"moe_cache_slots": -3}, {})
+    with pytest.raises(ValueError, match=">= 1"):
+        api._moe_cache_options({"moe_cache_max_uploads": 0}, {})
+
+
+def test_numpy_integers_are_accepted():
+    np = pytest.importorskip("numpy")
+    got = api._moe_cache_options({"moe_cache_slots": np.int64(8), "moe_cache_max_batch": np.int32(4)}, {})
+    assert got["moe_cache_slots"] == 8 and type(got["moe_cache_slots"]) is int
+    assert got["moe_cache_max_batch"] == 4
+
+
+@pytest.mark.parametrize("name, bad", [
+    ("moe_cache_slots", "-1"),
+    ("moe_cache_slots", "many"),
+    ("moe_cache_slots", "1.5"),
+    ("moe_cache_slots", "1_000"),
+    ("moe_cache_size_mib", "2G"),
+    ("moe_cache_rebalance_interval", "0"),
+    ("moe_cache_max_batch", "65"),
+    ("moe_cache_max_batch", "0"),
+    ("moe_cache_admit_misses", "0"),
+    ("moe_cache_admit_window", "-5"),
+    ("moe_cache_max_uploads", "0"),
+    ("moe_cache_slots", str(2**31)),
+])
+def test_bad_environment_values_name_the_variable(name, bad):
+    var = ENV[name]
+    with pytest.raises(ValueError) as e:
+        api._moe_cache_options({}, {var: bad})
+    msg = str(e.value)
+    assert f"environment variable {var}" in msg and name in msg and repr(bad) in msg
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError, match="moe_cache_slot"):
+        api._moe_cache_options({"moe_cache_slot": 4}, {})
+
+
+def test_environment_mapping_is_not_modified():
+    env = {"LLAMA_ARG_MOE_HOT_K": "4"}
+    api._moe_cache_options({"moe_cache_slots": 2}, env)
+    assert env == {"LLAMA_ARG_MOE_HOT_K": "4"}
+
+
+# --- Context checks the options before it reaches the native module ---------------------------
+
+
+def _unloaded_model():
+    """A Model object that was never loaded: enough for the checks that run before native code."""
+    return api.Model.__new__(api.Model)
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    def boom():
+        raise AssertionError("the native module was reached before the options were checked")
+
+    monkeypatch.setattr(api, "_core", boom)
+    for var in ENV.values():
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"moe_cache_policy": "fifo"}, "moe_cache_policy"),
+    ({"moe_cache_slots": -1}, "moe_cache_slots"),
+    ({"moe_cache_max_batch": 65}, "moe_cache_max_batch"),
+    ({"moe_cache_admit_window": 0}, "moe_cache_admit_window"),
+])
+def test_context_refuses_bad_options(no_native, kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        api.Context(_unloaded_model(), n_threads=1, **kwargs)
+    with pytest.raises(ValueError, match=words):
+        api.Model.context(_unloaded_model(), n_threads=1, **kwargs)  # forwards them
+
+
+def test_context_refuses_a_bad_environment_value(no_native, monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", "none")
+    with pytest.raises(ValueError, match="LLAMA_ARG_MOE_CACHE_MAX_UPLOADS"):
+        api.Context(_unloaded_model(), n_threads=1)
+
+
+def test_context_options_are_keyword_arguments(no_native):
+    with pytest.raises(TypeError):
+        api.Context(_unloaded_model(), 4096, 2048, 512, 1, "auto", 16)  # moe_cache_* are keyword-only
+    with pytest.raises(TypeError):
+        api.Context(_unloaded_model(), n_threads=1, moe_cache_slot=16)  # misspelled
