@@ -10,13 +10,14 @@ SUBCOMMANDS = {
     "build": ("moecache.orchestrator.__main__", "the patch-series orchestrator (fetch, apply, edit, export, verify, status)"),
     "server": ("moecache.server", "run moecache-server (same as the moecache-server command)"),
     "info": ("moecache.info", "show the build, the devices and the system info"),
+    "cache-sim": ("moecache.cache_sim", "replay a routing trace through the hot-expert cache's policies"),
 }
 
 
 def usage() -> str:
     lines = ["usage: moecache <command> [options]", "", "commands:"]
     for name, (_, text) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<8} {text}")
+        lines.append(f"  {name:<10} {text}")
     lines += ["", "Run `moecache <command> --help` for the options of a command."]
     return "\n".join(lines)
 

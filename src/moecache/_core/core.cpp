@@ -11,6 +11,7 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
+#include "llama-moe-cache-policy.h"
 #include "llama-moe.h"
 
 #include <algorithm>
@@ -1031,6 +1032,12 @@ static void record_routing(context_handle & c, const std::optional<std::string> 
 // module
 //
 
+static void check_index(const char * what, int32_t i, int32_t n) {
+    if (i < 0 || i >= n) {
+        throw std::out_of_range(std::string(what) + " " + std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
+    }
+}
+
 PYBIND11_MODULE(_core, mod) {
     mod.doc() = "moecache native core: bindings over the patched llama.cpp (use the moecache package, not this module)";
 
@@ -1204,4 +1211,56 @@ PYBIND11_MODULE(_core, mod) {
         .def("moe_cache_stats_json", &moe_cache_stats_json, "all stats as JSON text (total, per layer, configuration)")
         .def("record_routing", &record_routing, py::arg("path"),
              "write the routed experts of accepted tokens as JSONL into path; None stops");
+
+    // the hot-expert cache's residency policy of one layer (the same code the library runs), for
+    // replaying routing traces offline
+    py::class_<llama_moe_layer_policy>(mod, "LayerPolicy")
+        .def(py::init([](int32_t n_expert, int32_t n_slots, const std::string & kind, int32_t interval,
+                         int32_t admit_misses, int32_t admit_window, int32_t max_uploads) {
+            if (n_expert <= 0 || n_slots < 0 || interval < 1 || admit_misses < 1 || admit_window < 1 || max_uploads < 1) {
+                throw std::invalid_argument("LayerPolicy: n_expert > 0, n_slots >= 0, the others >= 1");
+            }
+            if (kind != "freq" && kind != "lru") {
+                throw std::invalid_argument("LayerPolicy: kind must be 'freq' or 'lru' (got '" + kind + "')");
+            }
+            llama_moe_policy_config c;
+            c.n_expert = n_expert;
+            c.n_slots = std::min(n_slots, n_expert);
+            c.kind = kind == "lru" ? LLAMA_MOE_POLICY_LRU : LLAMA_MOE_POLICY_FREQ;
+            c.interval = interval;
+            c.admit_misses = admit_misses;
+            c.admit_window = admit_window;
+            c.max_uploads = max_uploads;
+            return std::make_unique<llama_moe_layer_policy>(c);
+        }), py::arg("n_expert"), py::arg("n_slots"), py::arg("kind") = "freq", py::arg("interval") = 40,
+            py::arg("admit_misses") = 2, py::arg("admit_window") = 16, py::arg("max_uploads") = 2)
+        .def("observe", [](llama_moe_layer_policy & p, const std::vector<int32_t> & ids) {
+            p.observe(ids.data(), (int32_t) ids.size());
+        }, py::arg("ids"), "the routed experts of one accepted token")
+        .def("plan", [](llama_moe_layer_policy & p, bool force) {
+            std::vector<llama_moe_upload> out;
+            p.plan(out, force);
+            std::vector<std::pair<int32_t, int32_t>> r;
+            for (const auto & u : out) {
+                r.emplace_back(u.slot, u.expert);
+            }
+            return r;
+        }, py::arg("force") = false, "this step's uploads as (slot, expert); their slots are busy until done()")
+        .def("done", [](llama_moe_layer_policy & p, int32_t slot, bool ok) {
+            check_index("slot", slot, p.config().n_slots);
+            p.done(slot, ok);
+        }, py::arg("slot"), py::arg("ok") = true)
+        .def("pin", [](llama_moe_layer_policy & p, int32_t expert) {
+            check_index("expert", expert, p.config().n_expert);
+            return p.pin(expert);
+        }, py::arg("expert"))
+        .def("slot_of", [](const llama_moe_layer_policy & p, int32_t expert) {
+            check_index("expert", expert, p.config().n_expert);
+            return p.slot_of(expert);
+        }, py::arg("expert"))
+        .def("expert_in", [](const llama_moe_layer_policy & p, int32_t slot) {
+            check_index("slot", slot, p.config().n_slots);
+            return p.expert_in(slot);
+        }, py::arg("slot"))
+        .def_property_readonly("rebalances", &llama_moe_layer_policy::n_rebalances);
 }
