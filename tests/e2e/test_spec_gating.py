@@ -1,0 +1,138 @@
+"""N-gram speculation that is safe to leave on (issue 4) through the real llama-server, with a small
+real model (Gemma 3 270M from PyPI): exact output, fresh n-gram state per new prompt, the load gate,
+the acceptance gate, flag errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from moecache.server import ServerError, ServerProcess
+
+BASE = ["-t", "2", "-c", "2048", "-ngl", "0", "--metrics"]
+SPEC = ["--spec-type", "ngram-map-k4v"]
+
+CODE = '''Rewrite this function so that it keeps its behaviour and adds type hints.
+
+```python
+def merge_sorted(left, right):
+    result = []
+    i = 0
+    j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+```
+
+With type hints:
+
+```python
+'''
+
+PROSE = ("The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz "
+         "combined several known techniques into a single system. Over the following decades")
+
+# a different, longer text for the fresh-state check
+OTHER = ("Write a short story about a lighthouse keeper who finds a message in a bottle. " * 6
+         + "\n\nThe story:\n")
+
+
+def complete(srv, prompt, n_predict=96):
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+            "return_tokens": True}
+    status, out = srv.post("/completion", body, timeout=600)
+    assert status == 200, out
+    return out
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    m = re.search(rf"^llamacpp:{name}{re.escape(labels)} ([0-9.eE+-]+)$", text, re.M)
+    assert m, f"metric {name}{labels} missing in /metrics:\n{text[:2000]}"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def plain(gemma_model, llama_server_bin):
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1"], timeout=120) as srv:
+        yield {name: complete(srv, p) for name, p in (("code", CODE), ("prose", PROSE), ("other", OTHER))}
+
+
+def test_speculation_never_changes_greedy_output(gemma_model, plain):
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1"] + SPEC, timeout=120) as srv:
+        spec = {name: complete(srv, p) for name, p in (("code", CODE), ("prose", PROSE))}
+    for name in spec:
+        assert spec[name]["tokens"] == plain[name]["tokens"], name
+    t = spec["code"]["timings"]
+    assert t["draft_n"] > 0 and t["draft_n_accepted"] > 0, t  # the rewrite copies code: drafts pay
+
+
+def test_a_new_prompt_gets_no_drafts_from_the_previous_one(gemma_model, plain):
+    """Two different prompts on one slot: the second drafts exactly as on a fresh server."""
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1"] + SPEC, timeout=120) as srv:
+        complete(srv, CODE)
+        after = complete(srv, OTHER)
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1"] + SPEC, timeout=120) as srv:
+        fresh = complete(srv, OTHER)
+    assert after["tokens"] == fresh["tokens"] == plain["other"]["tokens"]
+    assert after["timings"]["draft_n"] == fresh["timings"]["draft_n"]
+    assert after["timings"]["draft_n_accepted"] == fresh["timings"]["draft_n_accepted"]
+
+
+def test_load_gate_turns_drafting_off_with_three_users(gemma_model, plain):
+    """3 slots generating at once > --spec-max-users 2: no new drafts, the reason counted; outputs unchanged."""
+    with ServerProcess(gemma_model, args=BASE + ["-np", "3", "--spec-max-users", "2"] + SPEC, timeout=120) as srv:
+        outs: dict[int, dict] = {}
+
+        def run(i):
+            outs[i] = complete(srv, CODE)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        _, text = srv.get("/metrics")
+        busy_off = metric(text, "spec_off_steps_total", '{reason="load"}')
+        # one user: drafting is back on
+        solo = complete(srv, CODE)
+        _, text = srv.get("/metrics")
+    for i in range(3):
+        assert outs[i]["tokens"] == plain["code"]["tokens"]
+    assert busy_off > 0
+    assert solo["tokens"] == plain["code"]["tokens"]
+    assert solo["timings"]["draft_n"] > 0
+    assert solo["timings"].get("draft_off_load", 0) == 0
+
+
+def test_acceptance_gate_pauses_drafting_that_does_not_pay(gemma_model, plain):
+    """With an impossible threshold every slot pauses after its first verify steps and probes later."""
+    args = BASE + ["-np", "1", "--spec-min-accept", "1.0", "--spec-probe-interval", "16"] + SPEC
+    with ServerProcess(gemma_model, args=args, timeout=120) as srv:
+        out = complete(srv, CODE, n_predict=96)
+        _, text = srv.get("/metrics")
+    assert out["tokens"] == plain["code"]["tokens"]
+    t = out["timings"]
+    assert t["draft_pauses"] >= 1 and t["draft_off_accept"] > 0, t
+    assert metric(text, "spec_pauses_total") >= 1
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--spec-max-users", "-1"),
+    ("--spec-min-accept", "1.5"),
+    ("--spec-probe-interval", "0"),
+])
+def test_bad_spec_flags_fail_with_a_clear_error(gemma_model, llama_server_bin, flag, value):
+    with pytest.raises(ServerError) as e:
+        with ServerProcess(gemma_model, args=BASE + SPEC + [flag, value], timeout=60):
+            pass
+    assert flag in str(e.value) and value in str(e.value)
