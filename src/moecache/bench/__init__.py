@@ -1,8 +1,11 @@
 """`moecache bench`: run a benchmark scenario against llama-server on loopback.
 
 Every arm of the scenario runs in one invocation, each against its own freshly started server,
-so the ratio of each arm to the baseline (stock path) arm is measured side by side. Results go
-to <out>/<YYYY-MM-DD>-<scenario>.md and .json with hardware, commits, model and server args.
+so the ratio of each arm to the baseline (stock path) arm is measured side by side. Each
+concurrency level of the scenario's `users` sends that many identical requests at once and adds
+the aggregate throughput; the server's speculation counters (drafted, accepted, steps off) are kept
+where it reports them. Results go to <out>/<YYYY-MM-DD>-<scenario>.md and .json with hardware,
+commits, model and server args. The scenario format is described in moecache.bench.scenario.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="moecache bench",
         description="Run a benchmark scenario (a TOML file, see benchmarks/README.md): each arm against its "
-                    "own llama-server on 127.0.0.1, real-text prompts, prefill t/s, time to first token and "
-                    "decode t/s, with the ratio of every arm to the baseline arm.",
+                    "own llama-server on 127.0.0.1, real-text prompts (optionally in a template), prefill t/s, "
+                    "time to first token, decode t/s and aggregate t/s at each concurrency level of `users` "
+                    "(N identical requests at once), with the ratio of every arm to the baseline arm, and the "
+                    "server's speculation counters (drafted, accepted, steps off) where it reports them.",
     )
     p.add_argument("scenario", help="scenario file, e.g. benchmarks/scenarios/smoke.toml")
     p.add_argument("--arms", metavar="A,B",

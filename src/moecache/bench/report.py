@@ -15,6 +15,7 @@ METRIC_TITLES = {
     "prefill_tps": "prefill t/s",
     "ttft_ms": "TTFT ms",
     "decode_tps": "decode t/s",
+    "aggregate_tps": "aggregate t/s",
 }
 
 
@@ -186,8 +187,24 @@ def _fmt_count(n: int | float | None) -> str:
     return "-" if n is None else f"{n:g}" if isinstance(n, float) else str(n)
 
 
+def _length_short(r: dict) -> str:
+    """A row's prompt length for tables: the count, or "whole (N)" for a whole-text prompt."""
+    if r["length"] is not None:
+        return str(r["length"])
+    return f"whole ({r['prompt_tokens']})" if r.get("prompt_tokens") else "whole"
+
+
+def _length_title(length: int | None, rows: list[dict]) -> str:
+    if length is not None:
+        return f"{length} tokens"
+    n = next((r["prompt_tokens"] for r in rows if r.get("prompt_tokens")), None)
+    return "the whole text" + (f" ({n} tokens)" if n else "")
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
+    levels = sc.get("users") or sorted({r.get("users", 1) for r in run["results"]})
+    concurrent = any(n > 1 for n in levels)
     hw = run["hardware"]
     model = run["model"]
     lines = [f"# Benchmark `{sc['name']}` — {run['date']}", ""]
@@ -201,7 +218,8 @@ def render_markdown(run: dict) -> str:
         "## Setup",
         "",
         f"- scenario: `{sc['file']}` (max_tokens {sc['max_tokens']}, repetitions {sc['repetitions']}, "
-        f"warmup {sc['warmup']}, ignore_eos {str(sc['ignore_eos']).lower()})",
+        f"warmup {sc['warmup']}, ignore_eos {str(sc['ignore_eos']).lower()}"
+        + (f", users {', '.join(map(str, levels))}" if concurrent else "") + ")",
         f"- moecache commit: `{run['moecache_commit']}`; llama.cpp pin: `{run['llama_cpp_commit']}`",
         f"- hardware: {hw.get('cpu')} ({hw.get('cores')} logical cores), RAM {_fmt_bytes(hw.get('ram_bytes'))}; "
         f"GPUs: {gpus}",
@@ -262,35 +280,74 @@ def render_markdown(run: dict) -> str:
         "",
         "Medians over the repetitions, (min–max) in brackets. Prefill and decode rates are the server's "
         "own timings of a non-streaming /completion request; TTFT is measured by the client: from sending "
-        "a streaming request to the first chunk that carries a token. Every ratio is a speed-up against "
-        "the baseline arm of this run (> 1 is faster): arm / baseline for rates, baseline / arm for TTFT.",
+        "a streaming request to the first chunk that carries a token. Aggregate t/s is the predicted tokens "
+        "of a repetition over its wall time, from the first send to the last response (with one user that "
+        "is one request, prefill included). Every ratio is a speed-up against the baseline arm of this run "
+        "(> 1 is faster): arm / baseline for rates, baseline / arm for TTFT.",
         "",
     ]
-    cases: list[tuple[str, int]] = []
+    if concurrent:
+        lines += [
+            "With `users` N > 1 every repetition sent N identical requests at the same moment to the same "
+            "server: prefill and decode t/s are per request (over all N requests of all repetitions), "
+            "aggregate t/s is all N requests' tokens over the repetition's wall time, and TTFT is measured "
+            "with one user only. Ratios compare rows with the same number of users.",
+            "",
+        ]
+    cases: list[tuple[str, int | None]] = []
     for r in run["results"]:
         key = (r["prompt"], r["length"])
         if key not in cases:
             cases.append(key)
+    users_head = "users | " if concurrent else ""
     for prompt, length in cases:
-        lines += [f"### `{prompt}` prompt, {length} tokens", "",
-                  "| arm | " + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
+        rows = [r for r in run["results"] if (r["prompt"], r["length"]) == (prompt, length)]
+        rows.sort(key=lambda r: r.get("users", 1))  # stable: the arms' order within each level
+        lines += [f"### `{prompt}` prompt, {_length_title(length, rows)}", "",
+                  f"| arm | {users_head}" + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
                   + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |",
-                  "| --- | " + " | ".join(["---:"] * (2 * len(METRICS))) + " |"]
-        for r in run["results"]:
-            if (r["prompt"], r["length"]) != (prompt, length):
-                continue
+                  "| --- | " + ("---: | " if concurrent else "") + " | ".join(["---:"] * (2 * len(METRICS))) + " |"]
+        for r in rows:
             name = r["arm"] + (" (baseline)" if r["arm"] == run["baseline"] else "")
+            users = f"{r.get('users', 1)} | " if concurrent else ""
             if r.get("error"):
-                lines.append(f"| {_md_cell(name)} | " + " | ".join("-" for _ in METRICS) + " | "
+                lines.append(f"| {_md_cell(name)} | {users}" + " | ".join("-" for _ in METRICS) + " | "
                              + " | ".join("-" for _ in METRICS) + " |")
                 continue
-            lines.append(f"| {_md_cell(name)} | " + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
+            lines.append(f"| {_md_cell(name)} | {users}" + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
                          + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |")
+        lines.append("")
+    spec_rows = [r for r in run["results"] if not r.get("error") and r.get("speculation")]
+    if any((r["speculation"].get("drafted") or 0) > 0 for r in spec_rows):
+        lines += [
+            "## Speculation",
+            "",
+            "The server's speculation counters from the final timings of the timed requests, summed over "
+            "the repetitions (and over the N requests of a repetition with N users): tokens drafted and "
+            "accepted, acceptance = accepted / drafted, decode steps without a new draft because more "
+            "slots were generating than the load gate allows (load) or because the acceptance gate had "
+            "paused drafting (accept), and the times that gate paused a slot. Rows whose requests "
+            "reported no speculation counters (no speculation, or no draft and no reason to be off) are "
+            "left out.",
+            "",
+            "| arm | prompt | users | drafted | accepted | acceptance | steps off (load/accept) | pauses |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in spec_rows:
+            sp = r["speculation"]
+            lines.append(
+                f"| {_md_cell(r['arm'])} | `{_md_cell(r['prompt'])}` {_length_short(r)} | {r.get('users', 1)} "
+                f"| {_fmt_count(sp.get('drafted'))} | {_fmt_count(sp.get('accepted'))} "
+                f"| {_fmt_rate(sp.get('acceptance'))} "
+                f"| {_fmt_count(sp.get('off_load'))}/{_fmt_count(sp.get('off_accept'))} "
+                f"| {_fmt_count(sp.get('pauses'))} |")
         lines.append("")
     errors = [r for r in run["results"] if r.get("error")]
     if errors:
         lines += ["## Errors", ""]
-        lines += [f"- {r['arm']}, `{r['prompt']}` {r['length']}: {_md_cell(r['error'])}" for r in errors]
+        lines += [f"- {r['arm']}, `{r['prompt']}` {_length_short(r)}"
+                  + (f", {r['users']} users" if r.get("users", 1) > 1 else "")
+                  + f": {_md_cell(r['error'])}" for r in errors]
         lines.append("")
     lines += ["## Commands", "", "```"]
     lines += [" ".join(shlex.quote(x) for x in a["command"]) for a in run["arms"]]

