@@ -12,35 +12,12 @@ import json
 
 import pytest
 
+from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
 from moecache.server import ServerError, ServerProcess
 
 BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
-PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The committee met on Tuesday to discuss the budget for the coming year, and",
-]
-N_EXPERT = 16  # the tiny preset
-N_USED = 4
-N_LAYER = 4
 HOST = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1"}
-
-
-def complete(srv, prompt, n_predict=32):
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
-            "return_tokens": True, "n_probs": 4}
-    status, out = srv.post("/completion", body, timeout=300)
-    assert status == 200, out
-    return out
-
-
-def probs(out):
-    return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
-
-
-def cache_stats(srv):
-    status, body = srv.get("/moe-cache")
-    assert status == 200, body
-    return body if isinstance(body, dict) else json.loads(body)
+probs = logprobs
 
 
 @pytest.fixture(scope="module")

@@ -6,46 +6,15 @@ Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, max_logprob_diff
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
 
 BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-lm", "none", "--no-webui"]
-PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The committee met on Tuesday to discuss the budget for the coming year, and",
-]
-N_EXPERT, N_USED, N_LAYER = 16, 4, 4  # the tiny preset
-
-
-def complete(srv, prompt, n_predict=32):
-    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
-            "return_tokens": True, "n_probs": 4}
-    status, out = srv.post("/completion", body, timeout=300)
-    assert status == 200, out
-    return out
-
-
-def logprobs(out):
-    return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
-
-
-def max_logprob_diff(a, b):
-    d = 0.0
-    for pa, pb in zip(logprobs(a), logprobs(b)):
-        assert pa[0][0] == pb[0][0]
-        d = max(d, abs(pa[0][1] - pb[0][1]))
-    return d
-
-
-def stats(srv):
-    status, body = srv.get("/moe-cache")
-    assert status == 200
-    return body if isinstance(body, dict) else json.loads(body)
+stats = cache_stats
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""Shared by the hot-expert cache's server tests (tests/e2e on the CPU, tests/gpu on CUDA)."""
+
+from __future__ import annotations
+
+import json
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The committee met on Tuesday to discuss the budget for the coming year, and",
+]
+N_EXPERT, N_USED, N_LAYER = 16, 4, 4  # the tiny preset
+
+
+def complete(srv, prompt, n_predict=32):
+    """Greedy /completion with the tokens and the top-4 log-probabilities of every step."""
+    body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
+            "return_tokens": True, "n_probs": 4}
+    status, out = srv.post("/completion", body, timeout=300)
+    assert status == 200, out
+    return out
+
+
+def logprobs(out):
+    return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
+
+
+def max_logprob_diff(a, b):
+    """Largest difference of the chosen token's log-probability; the chosen tokens must agree."""
+    d = 0.0
+    for pa, pb in zip(logprobs(a), logprobs(b)):
+        assert pa[0][0] == pb[0][0]
+        d = max(d, abs(pa[0][1] - pb[0][1]))
+    return d
+
+
+def cache_stats(srv):
+    status, body = srv.get("/moe-cache")
+    assert status == 200, body
+    return body if isinstance(body, dict) else json.loads(body)
