@@ -416,6 +416,28 @@ def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_se
     assert "| 75.0% | 64.0 |" in small
 
 
+def test_runner_writes_results_after_every_arm(tmp_path, fake_server_bin, capsys, monkeypatch):
+    """A run cut short (a device time limit) keeps the arms it finished: results are written after
+    every arm, marked partial, and the final write drops the mark."""
+    snapshots = []
+    real_write = runner.write_results
+
+    def recording_write(run, out_dir):
+        snapshots.append((run.get("partial"), sorted({r["arm"] for r in run["results"]}),
+                          report.render_markdown(run)))
+        return real_write(run, out_dir)
+
+    monkeypatch.setattr(runner, "write_results", recording_write)
+    path = write_scenario(tmp_path, GOOD)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "1"]) == 0
+    assert [(p, arms) for p, arms, _ in snapshots] == [("1 of 2 arms", ["base"]), (None, ["base", "small"])]
+    assert "partial results" in snapshots[0][2] and "1 of 2 arms" in snapshots[0][2]
+    assert "partial results" not in snapshots[1][2]
+    [js] = list(out.glob("*-t.json"))
+    assert "partial" not in json.loads(js.read_text())
+
+
 def test_moe_cache_summary_reads_the_totals():
     assert runner.moe_cache_summary(None) is None
     assert runner.moe_cache_summary("not json") is None

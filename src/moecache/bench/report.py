@@ -226,6 +226,8 @@ def render_markdown(run: dict) -> str:
         f"- os: {hw.get('os')}, Python {hw.get('python')}",
         f"- model: {model['description']}: `{model['path']}` ({_fmt_bytes(model.get('size_bytes'))})",
         f"- started {run['started']}, finished {run.get('finished', '?')}",
+        *([f"- **partial results**: written after {run['partial']}; the run ended before the next arm "
+           f"finished (the arms after it have no rows)"] if run.get("partial") else []),
         "",
         "## Arms",
         "",

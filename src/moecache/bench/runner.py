@@ -577,7 +577,13 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 if (ps.name, n, users) not in have:
                     run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
                                            "error": rec.get("error") or "not measured"})
+        if out_dir is not None and ai + 1 < len(sc.arms):
+            # results so far after every arm: a run cut short (a time limit, a lost machine) keeps them
+            add_ratios(run["results"], sc.baseline.name)
+            run["partial"] = f"{ai + 1} of {len(sc.arms)} arms"
+            write_results(run, out_dir)
 
+    run.pop("partial", None)
     add_ratios(run["results"], sc.baseline.name)
     run["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     run["ok"] = not any_failed
