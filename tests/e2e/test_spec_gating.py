@@ -93,19 +93,27 @@ def test_a_new_prompt_gets_no_drafts_from_the_previous_one(gemma_model, plain):
     assert after["timings"]["draft_n_accepted"] == fresh["timings"]["draft_n_accepted"]
 
 
-def test_load_gate_turns_drafting_off_with_three_users(gemma_model, plain):
-    """3 slots generating at once > --spec-max-users 2: no new drafts, the reason counted; outputs unchanged."""
-    with ServerProcess(gemma_model, args=BASE + ["-np", "3", "--spec-max-users", "2"] + SPEC, timeout=120) as srv:
-        outs: dict[int, dict] = {}
+def concurrently(srv, prompt, n_users=3, n_predict=96) -> list[dict]:
+    outs: dict[int, dict] = {}
 
-        def run(i):
-            outs[i] = complete(srv, CODE)
+    def run(i):
+        outs[i] = complete(srv, prompt, n_predict)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n_users)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(outs) == n_users, "a request failed"
+    return [outs[i] for i in range(n_users)]
+
+
+def test_strict_load_gate_turns_drafting_off_with_three_users(gemma_model, plain):
+    """3 slots generating at once > --spec-max-users 2 with --spec-load-min-accept 1: no new drafts, the
+    reason counted; one user: drafting back on; outputs unchanged."""
+    args = BASE + ["-np", "3", "--spec-max-users", "2", "--spec-load-min-accept", "1"] + SPEC
+    with ServerProcess(gemma_model, args=args, timeout=120) as srv:
+        outs = concurrently(srv, CODE)
         _, text = srv.get("/metrics")
         busy_off = metric(text, "spec_off_steps_total", '{reason="load"}')
         # one user: drafting is back on
@@ -117,6 +125,38 @@ def test_load_gate_turns_drafting_off_with_three_users(gemma_model, plain):
     assert solo["tokens"] == plain["code"]["tokens"]
     assert solo["timings"]["draft_n"] > 0
     assert solo["timings"].get("draft_off_load", 0) == 0
+
+
+def test_load_gate_keeps_drafts_that_pay_under_load(gemma_model, plain):
+    """The default load gate (acceptance >= 0.5 under load): the code rewrite's drafts are almost all
+    accepted, so all three users keep drafting; outputs unchanged."""
+    with ServerProcess(gemma_model, args=BASE + ["-np", "3"] + SPEC, timeout=120) as srv:
+        outs = concurrently(srv, CODE)
+    for out in outs:
+        assert out["tokens"] == plain["code"]["tokens"]
+        t = out["timings"]
+        assert t["draft_n"] > 0 and t["draft_acceptance_rate"] >= 0.5, t
+        assert t.get("draft_off_load", 0) == 0 and t.get("draft_pauses", 0) == 0, t
+
+
+def test_load_gate_pauses_drafts_below_its_threshold_only_under_load(gemma_model):
+    """ngram-simple on a story accepts about half its drafts: above --spec-min-accept 0.1 but below
+    --spec-load-min-accept 0.95, so with three users the slots pause for load (not for acceptance),
+    and one user alone never pauses."""
+    args = BASE + ["-np", "3", "--spec-type", "ngram-simple", "--spec-load-min-accept", "0.95",
+                   "--spec-probe-interval", "64"]
+    with ServerProcess(gemma_model, args=args, timeout=120) as srv:
+        outs = concurrently(srv, OTHER, n_predict=200)
+        solo = complete(srv, OTHER, n_predict=200)
+        _, text = srv.get("/metrics")
+    busy = [o["timings"] for o in outs]
+    assert sum(t["draft_pauses"] for t in busy) >= 1, busy
+    assert sum(t["draft_off_load"] for t in busy) > 0, busy
+    assert sum(t["draft_off_accept"] for t in busy) == 0, busy
+    t = solo["timings"]
+    assert t["draft_n"] > 0 and t.get("draft_pauses", 0) == 0 and t.get("draft_off_load", 0) == 0, t
+    assert 0.1 < t["draft_acceptance_rate"] < 0.95, t
+    assert metric(text, "spec_off_steps_total", '{reason="load"}') > 0
 
 
 def test_acceptance_gate_pauses_drafting_that_does_not_pay(gemma_model, plain):
@@ -139,6 +179,7 @@ def test_acceptance_gate_pauses_drafting_that_does_not_pay(gemma_model, plain):
 @pytest.mark.parametrize("flag,value", [
     ("--spec-max-users", "-1"),
     ("--spec-min-accept", "1.5"),
+    ("--spec-load-min-accept", "2"),
     ("--spec-probe-interval", "0"),
 ])
 def test_bad_spec_flags_fail_with_a_clear_error(gemma_model, llama_server_bin, flag, value):
