@@ -69,6 +69,23 @@ while [ $i -lt ${#phases[@]} ]; do
         { echo "libggml-cuda.so dynamic symbols: $(nm -D --defined-only "$libdir/libggml-cuda.so" | wc -l)";
           echo "  of them not ggml_*: $(nm -D --defined-only "$libdir/libggml-cuda.so" | grep -vc ' ggml_')";
           nm -D --defined-only "$libdir/libggml-cuda.so" | grep -v ' ggml_' | head -20; } | tee "$out/diag.log"
+        # the crash is in libllama's print_info (std::stringstream) when _core loads a model, at any
+        # -ngl, and only in the CUDA build: suspect a CUDA library that exports libstdc++ symbols and
+        # comes before libstdc++ in _core's lookup scope. Record which library each std:: symbol of
+        # libllama binds to, and try the load with libstdc++ preloaded (global scope first).
+        model=$(ls /tmp/pytest-of-*/pytest-*/moecache-cache*/models/tiny-default-seed0.gguf 2>/dev/null | head -1)
+        if [ -n "$model" ]; then
+            load="import moecache, sys; moecache.Model(sys.argv[1], n_gpu_layers=0); print('loaded')"
+            (cd /tmp && LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 120 python3 -c "$load" "$model") >> "$out/diag.log" 2>&1 || true
+            { echo "std:: bindings of libllama to libraries other than libstdc++:";
+              cat /tmp/ld-bindings.* 2>/dev/null | grep "binding file [^ ]*libllama.so" | grep -v " to [^ ]*libstdc++" \
+                  | grep "_ZNS\|_ZSt\|_ZNKS" | head -20; } >> "$out/diag.log"
+            for pre in "" "$(/sbin/ldconfig -p | awk '/libstdc\+\+\.so\.6 /{print $NF; exit}')"; do
+                echo "load with LD_PRELOAD='$pre':" >> "$out/diag.log"
+                (cd /tmp && LD_PRELOAD="$pre" timeout 120 python3 -X faulthandler -c "$load" "$model") >> "$out/diag.log" 2>&1 || echo "  exit $?" >> "$out/diag.log"
+            done
+            tail -12 "$out/diag.log"
+        fi
         dbg=$(command -v gdb || command -v cuda-gdb || true)
         if [ -n "$dbg" ]; then
             (cd /tmp && timeout 300 "$dbg" -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pytest -x -q -m gpu \

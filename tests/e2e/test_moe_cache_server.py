@@ -111,6 +111,35 @@ def test_small_cache_counts_evictions_and_traces_routing(tiny_model, tmp_path):
             assert all(0 <= i < N_EXPERT for i in ids)
 
 
+def test_speculation_counts_only_accepted_tokens_and_drafts_fit_the_cache(tiny_model, tmp_path):
+    """n-gram drafts verified through the cache: rejected draft tokens are computed but never counted
+    (routing, hits and misses are per accepted token), drafts are capped so that no verify batch
+    bypasses the cache, and the trace has each position once."""
+    trace = tmp_path / "routing.jsonl"
+    args = BASE_ARGS + ["--moe-cache-slots", "8", "--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1",
+                        "--moe-routing-trace", str(trace)]
+    prompt = PROMPTS[0] * 4
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        out = complete(srv, prompt, n_predict=320)
+        st = cache_stats(srv)["total"]
+    t = out["timings"]
+    rejected = t["draft_n"] - t["draft_n_accepted"]
+    # counted rejected tokens would lift n_tokens above `fed` below once there are more than 8
+    assert rejected > 8, f"the test needs rejected drafts: {t}"
+    assert t["draft_capped"] > 0, t
+    # every generated token but the last was fed to a decode; the last verify step's tokens are
+    # counted only once the next decode confirms them, and there is none
+    fed = t["predicted_n"] - 1
+    assert fed - 8 <= st["n_tokens"] <= fed, (st, t)
+    assert st["hits"] + st["misses"] == st["n_tokens"] * N_USED * N_LAYER
+    assert st["batches_bypassed"]["batch"] == 1  # the prompt; no verify batch was too large
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    pos = [x["pos"] for x in lines]
+    assert len(pos) == len(set(pos)), "a position was traced twice (a rejected draft counted)"
+    # the trace is read after the server stopped, which commits the last step's tokens too
+    assert st["n_tokens"] <= sum(1 for x in lines if x["cached"]) <= fed
+
+
 @pytest.mark.parametrize("flag,value,expect", [
     ("--moe-cache-policy", "bogus", "--moe-cache-policy"),
     ("--moe-cache-slots", "-3", "--moe-cache-slots"),
