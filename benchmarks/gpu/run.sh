@@ -63,48 +63,9 @@ while [ $i -lt ${#phases[@]} ]; do
         done
         ;;
     diag)
-        # what the dynamic symbol table of libggml-cuda exports, and a native backtrace of the
-        # in-process GPU test crash (tests/gpu/test_cuda.py)
-        libdir=$(python3 -c 'from moecache.paths import binary; print(binary("llama-server").parent)')
-        { echo "libggml-cuda.so dynamic symbols: $(nm -D --defined-only "$libdir/libggml-cuda.so" | wc -l)";
-          echo "  of them not ggml_*: $(nm -D --defined-only "$libdir/libggml-cuda.so" | grep -vc ' ggml_')";
-          nm -D --defined-only "$libdir/libggml-cuda.so" | grep -v ' ggml_' | head -20; } | tee "$out/diag.log"
-        # the crash is in libllama's print_info (first std::stringstream) when _core loads a model, at
-        # any -ngl, only in the CUDA build on this machine and only in the Python process. libcublas,
-        # libcublasLt and libnccl export no std:: symbols, so it is not their interposition. Record:
-        # the load with CUDA hidden, the native frames of the crash (a SIGSEGV handler preloaded, no
-        # gdb here) resolved with addr2line, which library libllama's std:: symbols bind to, and the
-        # load with libstdc++ preloaded.
-        model=$(ls /tmp/pytest-of-*/pytest-*/moecache-cache*/models/tiny-default-seed0.gguf 2>/dev/null | head -1 || true)
-        if [ -n "$model" ]; then
-            load="import moecache, sys; moecache.Model(sys.argv[1], n_gpu_layers=0); print('loaded')"
-            try_load() { # label, then env assignments
-                local label=$1; shift
-                echo "== load: $label" >> "$out/diag.log"
-                (cd /tmp && env "$@" timeout 120 python3 -c "$load" "$model") > /tmp/diag-load.txt 2>&1 \
-                    && echo "   ok" >> "$out/diag.log" || echo "   exit $?" >> "$out/diag.log"
-                { grep -v "^llama_model_loader\|^print_info\|^load\|^init_tokenizer" /tmp/diag-load.txt || true; } | tail -40 >> "$out/diag.log"
-            }
-            try_load "CUDA hidden" CUDA_VISIBLE_DEVICES=
-            if cc -shared -fPIC -o /tmp/segv-backtrace.so "$repo/benchmarks/gpu/segv-backtrace.c"; then
-                try_load "native frames" LD_PRELOAD=/tmp/segv-backtrace.so
-                { grep -o '^[^ (]*\.so[.0-9]*(+0x[0-9a-f]*)' /tmp/diag-load.txt || true; } | head -16 | while IFS='(' read -r lib off; do
-                    off=${off%)}; echo "   $(basename "$lib") $off: $(addr2line -Cfp -e "$lib" "${off#+}" 2>/dev/null)" >> "$out/diag.log"
-                done
-            fi
-            (cd /tmp && LD_DEBUG=bindings LD_DEBUG_OUTPUT=/tmp/ld-bindings timeout 120 python3 -c "$load" "$model") > /dev/null 2>&1 || true
-            { echo "== std:: bindings of libllama to libraries other than libstdc++:";
-              cat /tmp/ld-bindings.* 2>/dev/null | grep "binding file [^ ]*libllama.so" | grep -v " to [^ ]*libstdc++" \
-                  | grep "_ZNS\|_ZSt\|_ZNKS" | head -20 || true; } >> "$out/diag.log"
-            try_load "libstdc++ preloaded" LD_PRELOAD="$(/sbin/ldconfig -p | awk '/libstdc\+\+\.so\.6 /{print $NF; exit}')"
-            tail -40 "$out/diag.log"
-        fi
-        dbg=$(command -v gdb || command -v cuda-gdb || true)
-        if [ -n "$dbg" ]; then
-            (cd /tmp && timeout 300 "$dbg" -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -m pytest -x -q -m gpu \
-                "$repo/tests/gpu/test_cuda.py" -p no:cacheprovider >> "$out/diag.log" 2>&1) || true
-            grep -n -A40 "SIGSEGV" "$out/diag.log" | head -60 || true
-        fi
+        # why the in-process model load crashes in a CUDA build (benchmarks/gpu/diag-load.sh)
+        log "diag: in-process load"
+        bash "$repo/benchmarks/gpu/diag-load.sh" "$out" || true
         ;;
     backend-ops)
         # the MUL_MAT_ID cases (patch 0001's skip ids among them) on the GPU against the CPU

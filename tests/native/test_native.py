@@ -31,3 +31,31 @@ def test_moe_cache_policies():
     out = run_native("test-moe-cache-policy")
     assert out.strip().endswith("0 failed"), out[-2000:]
     assert " passed," in out
+
+
+def _dynamic_symbols(path) -> tuple[set[str], str]:
+    """(defined dynamic symbols, the dynamic section) of a shared object, read with binutils."""
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    dyn = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True, check=True)
+    return {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}, dyn.stdout
+
+
+def test_one_libstdcxx_per_process():
+    """Every shipped library and the Python module use the shared libstdc++: none carries (and
+    exports) a copy of its own. A copy per library crashed the first model load through `import
+    moecache` on a toolchain that links libstdc++ statically (cmake/shared-libstdcxx.cmake)."""
+    from pathlib import Path
+
+    from moecache import native_module
+
+    core = Path(native_module().__file__)
+    libs = sorted(binary("llama-server").parent.glob("*.so")) + [core]
+    assert any(p.name.startswith("libllama") for p in libs), libs
+    problems = []
+    for lib in libs:
+        symbols, dynamic = _dynamic_symbols(lib)
+        if "_ZNSt6locale7classicEv" in symbols:  # std::locale::classic(), only in libstdc++ itself
+            problems.append(f"{lib.name} defines libstdc++'s own symbols (a static copy)")
+        elif "libstdc++" not in dynamic and any(s.startswith("_ZNS") for s in symbols):
+            problems.append(f"{lib.name} uses C++ but does not link libstdc++.so")
+    assert not problems, "; ".join(problems)
