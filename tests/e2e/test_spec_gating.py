@@ -93,6 +93,25 @@ def test_a_new_prompt_gets_no_drafts_from_the_previous_one(gemma_model, plain):
     assert after["timings"]["draft_n_accepted"] == fresh["timings"]["draft_n_accepted"]
 
 
+def test_a_follow_up_that_leaves_the_old_generation_gets_a_fresh_map(gemma_model):
+    """A follow-up prompt that keeps the first prompt and half of its answer, then goes elsewhere, is
+    longer than the first prompt but does not extend the text the map indexed (prompt + answer): the
+    map starts fresh (said in the debug log) and drafts exactly as on a fresh server."""
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1", "-v"] + SPEC, timeout=120) as srv:
+        first = complete(srv, CODE)
+        answer = first["content"]
+        follow = CODE + answer[: len(answer) // 2] + "\n\n" + OTHER
+        before = srv.log_text().count("fresh n-gram map")
+        after = complete(srv, follow)
+        fresh_maps = srv.log_text().count("fresh n-gram map") - before
+    with ServerProcess(gemma_model, args=BASE + ["-np", "1"] + SPEC, timeout=120) as srv:
+        fresh = complete(srv, follow)
+    assert before == 0 and fresh_maps == 1
+    assert after["tokens"] == fresh["tokens"]
+    assert after["timings"]["draft_n"] == fresh["timings"]["draft_n"]
+    assert after["timings"]["draft_n_accepted"] == fresh["timings"]["draft_n_accepted"]
+
+
 def concurrently(srv, prompt, n_users=3, n_predict=96) -> list[dict]:
     outs: dict[int, dict] = {}
 
@@ -187,3 +206,23 @@ def test_bad_spec_flags_fail_with_a_clear_error(gemma_model, llama_server_bin, f
         with ServerProcess(gemma_model, args=BASE + SPEC + [flag, value], timeout=60):
             pass
     assert flag in str(e.value) and value in str(e.value)
+
+
+@pytest.mark.parametrize("gates,gated", [("ngram", False), ("all", True)])
+def test_the_gates_apply_to_ngram_drafters_unless_told(gemma_model, plain, gates, gated):
+    """A draft model (Gemma drafting for itself) under the strict load gate: by default the gates are
+    for the n-gram drafters only, so it keeps drafting like upstream; --spec-gates all gates it too."""
+    args = BASE + ["-np", "2", "-md", str(gemma_model), "-ngld", "0", "--spec-draft-n-max", "4",
+                   "--spec-max-users", "1", "--spec-load-min-accept", "1", "--spec-gates", gates]
+    with ServerProcess(gemma_model, args=args, timeout=180) as srv:
+        outs = concurrently(srv, CODE, n_users=2, n_predict=48)
+        log = srv.log_text()
+    off = sum(o["timings"].get("draft_off_load", 0) for o in outs)
+    drafted = sum(o["timings"].get("draft_n", 0) for o in outs)
+    for out in outs:
+        assert out["tokens"] == plain["code"]["tokens"][:48]
+    if gated:
+        assert off > 0, [o["timings"] for o in outs]
+    else:
+        assert off == 0 and drafted > 0, [o["timings"] for o in outs]
+        assert "speculation gates off" in log

@@ -48,3 +48,27 @@ def test_cache_on_cuda_matches_stock(tiny_model, stock, policy):
         assert a["tokens"] == b["tokens"]
         # hits run on the GPU, misses on the CPU: only device rounding may differ
         assert max_logprob_diff(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("fail,extra", [
+    ("upload:3", []),                # one layer's upload fails: that layer takes the stock path
+    ("staging", ["--no-host"]),      # experts in pageable memory, no pinned staging: direct copies
+    ("alloc", []),                   # no banks at all: the stock graphs
+])
+def test_cuda_cache_failures_keep_serving_the_stock_output(tiny_model, stock, fail, extra):
+    args = BASE_ARGS + extra + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-max-uploads", "16",
+                                "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(tiny_model, args=args, env={"LLAMA_MOE_CACHE_FAIL": fail}, timeout=180) as srv:
+        complete(srv, PROMPTS[0] * 3, n_predict=48)
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = stats(srv)
+        again = complete(srv, PROMPTS[1])
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+    assert again["tokens"] == stock[1]["tokens"]
+    if fail == "alloc":
+        assert st["enabled"] is False
+    elif fail == "staging":
+        assert st["enabled"] is True and st["total"]["uploads"] > 0
+    else:
+        assert sum(1 for layer in st["layers"] if not layer["cached"]) == 1

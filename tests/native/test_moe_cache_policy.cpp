@@ -1,7 +1,9 @@
 // Unit tests of the hot-expert cache's residency policies (patch 0002, src/llama-moe-cache-policy.cpp):
-// plain host logic, no ggml. Each check prints a line; the last line counts the failures.
+// plain host logic, no ggml; the class and the C API of llama-moe.h, both from libllama. Each failed
+// check prints a line; the last line counts the passes and the failures.
 
 #include "llama-moe-cache-policy.h"
+#include "llama-moe.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -238,6 +240,70 @@ static void test_random(llama_moe_policy_kind kind, const char * name) {
     CHECK(hot >= 7, "%s: the skewed experts end up resident (%d of 10)", name, hot);
 }
 
+// the hysteresis bonus grows with n_slots * interval; that product must not overflow int32
+static void test_freq_bonus_no_overflow() {
+    llama_moe_policy_config c = config(LLAMA_MOE_POLICY_FREQ, 4, 2);
+    c.interval = 1 << 30; // 2 slots * 2^30 is past INT32_MAX
+    llama_moe_layer_policy p(c);
+    const int32_t fill[2] = {0, 1};
+    p.observe(fill, 2);
+    step(p);
+    CHECK(resident(p) == std::set<int>({0, 1}), "filled with 0 and 1");
+    // expert 2 routed 10 times, the residents not at all: below the largest bonus (24), above the smallest (6)
+    for (int t = 0; t < 10; ++t) {
+        const int32_t id = 2;
+        p.observe(&id, 1);
+    }
+    step(p, true);
+    CHECK(resident(p) == std::set<int>({0, 1}), "a huge interval gives the largest bonus: no swap (an overflow made it the smallest)");
+}
+
+// the C API (llama_moe_policy_*) runs the same policy and checks its arguments
+static void test_c_api() {
+    llama_moe_policy_params bad = { 8, 9, LLAMA_MOE_CACHE_POLICY_FREQ, 40, 2, 16, 2 };
+    CHECK(llama_moe_policy_init(&bad) == nullptr, "more slots than experts is refused");
+    bad = { 0, 0, LLAMA_MOE_CACHE_POLICY_FREQ, 40, 2, 16, 2 };
+    CHECK(llama_moe_policy_init(&bad) == nullptr, "no experts is refused");
+    bad = { 8, 4, (enum llama_moe_cache_policy) 7, 40, 2, 16, 2 };
+    CHECK(llama_moe_policy_init(&bad) == nullptr, "an unknown policy is refused");
+    CHECK(llama_moe_policy_init(nullptr) == nullptr, "NULL params are refused");
+
+    llama_moe_policy_params pp = { 16, 4, LLAMA_MOE_CACHE_POLICY_FREQ, 8, 2, 16, 2 }; // as config() below
+    llama_moe_policy * cp = llama_moe_policy_init(&pp);
+    llama_moe_layer_policy ref(config(LLAMA_MOE_POLICY_FREQ, 16, 4));
+    CHECK(cp != nullptr, "valid params give a policy");
+    bool same = cp != nullptr;
+    uint32_t rng = 7;
+    for (int t = 0; t < 300 && same; ++t) {
+        int32_t ids[2];
+        for (int k = 0; k < 2; ++k) {
+            rng = rng * 1664525u + 1013904223u;
+            ids[k] = (int32_t) ((rng >> 16) % (k == 0 ? 5 : 16));
+        }
+        if (ids[0] == ids[1]) {
+            ids[1] = (ids[1] + 1) % 16;
+        }
+        llama_moe_policy_observe(cp, ids, 2);
+        ref.observe(ids, 2);
+        int32_t slots[4], experts[4];
+        const int32_t n = llama_moe_policy_plan(cp, false, slots, experts, 4);
+        const auto want = step(ref);
+        same = n == (int32_t) want.size();
+        for (int32_t i = 0; i < n && same; ++i) {
+            same = slots[i] == want[i].slot && experts[i] == want[i].expert;
+            llama_moe_policy_done(cp, slots[i], true);
+        }
+        for (int e = 0; e < 16 && same; ++e) {
+            same = llama_moe_policy_slot_of(cp, e) == ref.slot_of(e);
+        }
+    }
+    CHECK(same, "the C API plans exactly what the class plans");
+    CHECK(llama_moe_policy_slot_of(cp, 16) == -2 && llama_moe_policy_expert_in(cp, -1) == -2, "out-of-range arguments give -2");
+    CHECK(!llama_moe_policy_pin(cp, 99), "pinning an expert out of range fails");
+    CHECK(llama_moe_policy_n_rebalances(cp) == ref.n_rebalances(), "same rebalance count");
+    llama_moe_policy_free(cp);
+}
+
 int main() {
     test_fill(LLAMA_MOE_POLICY_FREQ, "freq");
     test_fill(LLAMA_MOE_POLICY_LRU, "lru");
@@ -248,6 +314,8 @@ int main() {
     test_pin(LLAMA_MOE_POLICY_LRU, "lru");
     test_random(LLAMA_MOE_POLICY_FREQ, "freq");
     test_random(LLAMA_MOE_POLICY_LRU, "lru");
+    test_freq_bonus_no_overflow();
+    test_c_api();
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail == 0 ? 0 : 1;
 }

@@ -11,7 +11,6 @@
 #include "ggml-backend.h"
 #include "gguf.h"
 #include "llama.h"
-#include "llama-moe-cache-policy.h"
 #include "llama-moe.h"
 
 #include <algorithm>
@@ -479,6 +478,13 @@ static llama_context * new_context(const model_handle & m, const llama_context_p
         } else if (params.moe_cache.size_mib > 0) {
             sizes += ", moe_cache_size_mib=" + std::to_string(params.moe_cache.size_mib);
         }
+        // the library checks the cache's settings itself: its refusal is a bad argument, not a failure
+        for (const auto & line : lines) {
+            const size_t at = line.find("moe cache: ");
+            if (at != std::string::npos) {
+                throw std::invalid_argument("invalid hot-expert cache settings: " + line.substr(at + 11));
+            }
+        }
         if (log_mentions_allocation_failure(lines)) {
             throw out_of_memory_error("not enough memory for a context with " + sizes +
                                       (cache ? " (KV cache, compute buffers and expert cache slots): lower n_ctx, n_ubatch "
@@ -501,27 +507,11 @@ static enum llama_moe_cache_policy parse_moe_cache_policy(const std::string & na
     throw std::invalid_argument("moe_cache_policy must be 'freq' or 'lru' (got '" + name + "')");
 }
 
-static void check_at_least(const char * name, int value, int minimum) {
-    if (value < minimum) {
-        throw std::invalid_argument(std::string(name) + " must be >= " + std::to_string(minimum) + " (got " +
-                                    std::to_string(value) + ")");
-    }
-}
-
-// The hot-expert cache settings of a context (the wrapper checks them first, with the same rules).
+// The hot-expert cache settings of a context. The library checks them (the wrapper first, naming its
+// parameters); a value it refuses fails the context creation with its message.
 static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
                                                     int rebalance_interval, int max_batch, int admit_misses,
-                                                    int admit_window, int max_uploads) {
-    check_at_least("moe_cache_slots", slots, 0);
-    check_at_least("moe_cache_size_mib", size_mib, 0);
-    check_at_least("moe_cache_rebalance_interval", rebalance_interval, 1);
-    check_at_least("moe_cache_max_batch", max_batch, 1);
-    if (max_batch > 64) {
-        throw std::invalid_argument("moe_cache_max_batch must be <= 64 (got " + std::to_string(max_batch) + ")");
-    }
-    check_at_least("moe_cache_admit_misses", admit_misses, 1);
-    check_at_least("moe_cache_admit_window", admit_window, 1);
-    check_at_least("moe_cache_max_uploads", max_uploads, 1);
+                                                    int admit_window, int max_uploads, int headroom_mib) {
     llama_moe_cache_params p = llama_moe_cache_default_params();
     p.n_slots = slots;
     p.size_mib = size_mib;
@@ -531,6 +521,7 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.admit_misses = admit_misses;
     p.admit_window = admit_window;
     p.max_uploads = max_uploads;
+    p.headroom_mib = headroom_mib;
     p.routing_trace = nullptr; // record_routing starts and stops a trace
     return p;
 }
@@ -540,7 +531,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int moe_cache_size_mib, const std::string & moe_cache_policy,
                                                     int moe_cache_rebalance_interval, int moe_cache_max_batch,
                                                     int moe_cache_admit_misses, int moe_cache_admit_window,
-                                                    int moe_cache_max_uploads) {
+                                                    int moe_cache_max_uploads, int moe_cache_headroom_mib) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -570,7 +561,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.no_perf = true; // we time prefill and decode ourselves
     params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
-                                             moe_cache_admit_window, moe_cache_max_uploads);
+                                             moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib);
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -587,11 +578,23 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     return c;
 }
 
+// Ctrl-C: the decode loops run without the GIL, so the interpreter's signal handler only sets a flag;
+// check it between steps so that a long generation stops promptly with KeyboardInterrupt.
+static void raise_if_interrupted() {
+    py::gil_scoped_acquire gil;
+    if (PyErr_CheckSignals() != 0) {
+        throw py::error_already_set();
+    }
+}
+
 // Decode tokens[0, n) at positions pos0.. in chunks of `chunk`; outputs for every token
 // (all_outputs) or only for the very last one.
 static void decode_chunks(llama_context * ctx, llama_batch & batch, const llama_token * tokens, int32_t n,
                           int32_t pos0, int32_t chunk, bool all_outputs) {
     for (int32_t i0 = 0; i0 < n; i0 += chunk) {
+        if (i0 > 0) {
+            raise_if_interrupted();
+        }
         const int32_t n_chunk = std::min(chunk, n - i0);
         batch.n_tokens = n_chunk;
         for (int32_t j = 0; j < n_chunk; j++) {
@@ -713,6 +716,7 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
             if ((int32_t) r.tokens.size() >= max_tokens || n_past >= n_ctx) {
                 break;
             }
+            raise_if_interrupted();
             decode_chunks(c.ctx, c.batch, &t, 1, n_past, 1, true);
             n_past++;
             r.decode_tokens++;
@@ -894,6 +898,7 @@ static py::dict moe_cache_stats(context_handle & c, int32_t il) {
     llama_moe_cache_stats s{};
     std::string error;
     with_context_locked(c, [&]() {
+        llama_moe_cache_flush(c.ctx); // the last token's routing is committed only at the next decode otherwise
         if (!llama_moe_cache_get_stats(c.ctx, il, &s)) {
             error = moe_cache_why_not(c, il);
         }
@@ -983,6 +988,7 @@ static std::string moe_cache_stats_json(context_handle & c) {
     std::string out;
     int32_t failed = 0;
     with_context_locked(c, [&]() {
+        llama_moe_cache_flush(c.ctx);
         int32_t n = llama_moe_cache_stats_json(c.ctx, nullptr, 0);
         // the stats may grow between the two calls (uploads finish in the background): ask again until it fits
         for (int attempt = 0; n >= 0 && attempt < 8; attempt++) {
@@ -1037,6 +1043,16 @@ static void check_index(const char * what, int32_t i, int32_t n) {
         throw std::out_of_range(std::string(what) + " " + std::to_string(i) + " is out of range [0, " + std::to_string(n) + ")");
     }
 }
+
+// a residency policy of the library (llama-moe.h), owned by Python
+struct policy_handle {
+    llama_moe_policy * p = nullptr;
+    int32_t n_expert = 0;
+    int32_t n_slots = 0;
+    ~policy_handle() {
+        llama_moe_policy_free(p);
+    }
+};
 
 PYBIND11_MODULE(_core, mod) {
     mod.doc() = "moecache native core: bindings over the patched llama.cpp (use the moecache package, not this module)";
@@ -1167,7 +1183,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_slots") = 0, py::arg("moe_cache_size_mib") = 0, py::arg("moe_cache_policy") = "freq",
              py::arg("moe_cache_rebalance_interval") = 40, py::arg("moe_cache_max_batch") = 8,
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
-             py::arg("moe_cache_max_uploads") = 2)
+             py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
@@ -1212,55 +1228,64 @@ PYBIND11_MODULE(_core, mod) {
         .def("record_routing", &record_routing, py::arg("path"),
              "write the routed experts of accepted tokens as JSONL into path; None stops");
 
-    // the hot-expert cache's residency policy of one layer (the same code the library runs), for
-    // replaying routing traces offline
-    py::class_<llama_moe_layer_policy>(mod, "LayerPolicy")
+    // the hot-expert cache's residency policy of one layer (the library's own, through llama-moe.h),
+    // for replaying routing traces offline
+    py::class_<policy_handle>(mod, "LayerPolicy")
         .def(py::init([](int32_t n_expert, int32_t n_slots, const std::string & kind, int32_t interval,
                          int32_t admit_misses, int32_t admit_window, int32_t max_uploads) {
-            if (n_expert <= 0 || n_slots < 0 || interval < 1 || admit_misses < 1 || admit_window < 1 || max_uploads < 1) {
-                throw std::invalid_argument("LayerPolicy: n_expert > 0, n_slots >= 0, the others >= 1");
-            }
             if (kind != "freq" && kind != "lru") {
                 throw std::invalid_argument("LayerPolicy: kind must be 'freq' or 'lru' (got '" + kind + "')");
             }
-            llama_moe_policy_config c;
-            c.n_expert = n_expert;
-            c.n_slots = std::min(n_slots, n_expert);
-            c.kind = kind == "lru" ? LLAMA_MOE_POLICY_LRU : LLAMA_MOE_POLICY_FREQ;
-            c.interval = interval;
-            c.admit_misses = admit_misses;
-            c.admit_window = admit_window;
-            c.max_uploads = max_uploads;
-            return std::make_unique<llama_moe_layer_policy>(c);
+            llama_moe_policy_params p;
+            p.n_expert = n_expert;
+            p.n_slots = n_expert > 0 ? std::min(n_slots, n_expert) : n_slots;
+            p.policy = kind == "lru" ? LLAMA_MOE_CACHE_POLICY_LRU : LLAMA_MOE_CACHE_POLICY_FREQ;
+            p.rebalance_interval = interval;
+            p.admit_misses = admit_misses;
+            p.admit_window = admit_window;
+            p.max_uploads = max_uploads;
+            auto h = std::make_unique<policy_handle>();
+            h->p = llama_moe_policy_init(&p);
+            if (!h->p) {
+                throw std::invalid_argument("LayerPolicy: n_expert > 0, n_slots >= 0, the others >= 1");
+            }
+            h->n_expert = n_expert;
+            h->n_slots = p.n_slots;
+            return h;
         }), py::arg("n_expert"), py::arg("n_slots"), py::arg("kind") = "freq", py::arg("interval") = 40,
             py::arg("admit_misses") = 2, py::arg("admit_window") = 16, py::arg("max_uploads") = 2)
-        .def("observe", [](llama_moe_layer_policy & p, const std::vector<int32_t> & ids) {
-            p.observe(ids.data(), (int32_t) ids.size());
+        .def("observe", [](policy_handle & h, const std::vector<int32_t> & ids) {
+            llama_moe_policy_observe(h.p, ids.data(), (int32_t) ids.size());
         }, py::arg("ids"), "the routed experts of one accepted token")
-        .def("plan", [](llama_moe_layer_policy & p, bool force) {
-            std::vector<llama_moe_upload> out;
-            p.plan(out, force);
+        .def("plan", [](policy_handle & h, bool force) {
+            std::vector<int32_t> slots((size_t) std::max(h.n_slots, 1)), experts(slots.size());
+            int32_t n = llama_moe_policy_plan(h.p, force, slots.data(), experts.data(), (int32_t) slots.size());
+            while (n < 0) { // more uploads than the buffers hold (a plan never exceeds the slots, but be safe)
+                slots.resize(slots.size() * 2);
+                experts.resize(slots.size());
+                n = llama_moe_policy_plan(h.p, force, slots.data(), experts.data(), (int32_t) slots.size());
+            }
             std::vector<std::pair<int32_t, int32_t>> r;
-            for (const auto & u : out) {
-                r.emplace_back(u.slot, u.expert);
+            for (int32_t i = 0; i < n; i++) {
+                r.emplace_back(slots[i], experts[i]);
             }
             return r;
         }, py::arg("force") = false, "this step's uploads as (slot, expert); their slots are busy until done()")
-        .def("done", [](llama_moe_layer_policy & p, int32_t slot, bool ok) {
-            check_index("slot", slot, p.config().n_slots);
-            p.done(slot, ok);
+        .def("done", [](policy_handle & h, int32_t slot, bool ok) {
+            check_index("slot", slot, h.n_slots);
+            llama_moe_policy_done(h.p, slot, ok);
         }, py::arg("slot"), py::arg("ok") = true)
-        .def("pin", [](llama_moe_layer_policy & p, int32_t expert) {
-            check_index("expert", expert, p.config().n_expert);
-            return p.pin(expert);
+        .def("pin", [](policy_handle & h, int32_t expert) {
+            check_index("expert", expert, h.n_expert);
+            return llama_moe_policy_pin(h.p, expert);
         }, py::arg("expert"))
-        .def("slot_of", [](const llama_moe_layer_policy & p, int32_t expert) {
-            check_index("expert", expert, p.config().n_expert);
-            return p.slot_of(expert);
+        .def("slot_of", [](const policy_handle & h, int32_t expert) {
+            check_index("expert", expert, h.n_expert);
+            return llama_moe_policy_slot_of(h.p, expert);
         }, py::arg("expert"))
-        .def("expert_in", [](const llama_moe_layer_policy & p, int32_t slot) {
-            check_index("slot", slot, p.config().n_slots);
-            return p.expert_in(slot);
+        .def("expert_in", [](const policy_handle & h, int32_t slot) {
+            check_index("slot", slot, h.n_slots);
+            return llama_moe_policy_expert_in(h.p, slot);
         }, py::arg("slot"))
-        .def_property_readonly("rebalances", &llama_moe_layer_policy::n_rebalances);
+        .def_property_readonly("rebalances", [](const policy_handle & h) { return llama_moe_policy_n_rebalances(h.p); });
 }
