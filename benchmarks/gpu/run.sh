@@ -79,11 +79,13 @@ while [ $i -lt ${#phases[@]} ]; do
         ;;
     model)
         mkdir -p "$models"
-        # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" }
-        if [ ! -f "$models/qwen3-30b-a3b-q4_0-seed0.gguf" ]; then
+        # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" } (it carries the
+        # generator's version, so a model of an older generator is never reused)
+        q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
+        if [ ! -f "$q30" ]; then
             log "model: synth qwen3-30b-a3b q4_0"
             t0=$(date +%s)
-            python3 -m moecache synth "$models/qwen3-30b-a3b-q4_0-seed0.gguf" --preset qwen3-30b-a3b --quant q4_0 --seed 0 2>&1 | tail -3
+            python3 -m moecache synth "$q30" --preset qwen3-30b-a3b --quant q4_0 --seed 0 2>&1 | tail -3
             log "model: made in $(( $(date +%s) - t0 )) s"
         fi
         ;;

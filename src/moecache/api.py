@@ -217,23 +217,65 @@ FLASH_ATTN_VALUES = ("auto", "on", "off")
 MOE_CACHE_POLICIES = ("freq", "lru")
 _INT32_MAX = 2**31 - 1
 
-# argument -> (environment variable that gives its default, default, minimum, maximum, what it is)
-MOE_CACHE_OPTIONS: dict[str, tuple[str, object, int | None, int | None, str]] = {
-    "moe_cache_slots": ("LLAMA_ARG_MOE_HOT_K", 0, 0, _INT32_MAX,
-                        "slots per cached layer (0 = off unless moe_cache_size_mib is set)"),
-    "moe_cache_size_mib": ("LLAMA_ARG_MOE_CACHE_SIZE", 0, 0, _INT32_MAX,
-                           "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
-    "moe_cache_policy": ("LLAMA_ARG_MOE_CACHE_POLICY", "freq", None, None, "'freq' or 'lru'"),
-    "moe_cache_rebalance_interval": ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL", 40, 1, _INT32_MAX,
-                                     "freq policy: tokens between rebalances"),
-    "moe_cache_max_batch": ("LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS", 8, 1, 64,
-                            "batches of up to this many tokens use the cache"),
-    "moe_cache_admit_misses": ("LLAMA_ARG_MOE_CACHE_ADMIT_MISSES", 2, 1, _INT32_MAX,
-                               "lru policy: misses within the window before an expert is uploaded"),
-    "moe_cache_admit_window": ("LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW", 16, 1, _INT32_MAX,
-                               "lru policy: the admission window in tokens"),
-    "moe_cache_max_uploads": ("LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", 2, 1, _INT32_MAX,
-                              "uploads per layer and step"),
+@dataclass(frozen=True)
+class MoeCacheOption:
+    """One hot-expert cache option as llama-server and the Python API both take it: the flag, its
+    environment variable (llama.cpp's LLAMA_ARG_<FLAG> scheme), the older names that still set it
+    (read only when `env` is unset: the new name wins), the default, the integer range and what it is."""
+
+    flag: str
+    env: str
+    aliases: tuple[str, ...]
+    default: object
+    minimum: int | None
+    maximum: int | None
+    what: str
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """The variables that set it, the one that wins first."""
+        return (self.env, *self.aliases)
+
+    def from_environment(self, environ) -> tuple[str, str] | None:
+        """(variable, value) of the first of env_names set to a non-blank value, or None."""
+        for var in self.env_names:
+            value = environ.get(var)
+            if value is not None and value.strip() != "":
+                return var, value
+        return None
+
+    def describe_variable(self, var: str) -> str:
+        return f"environment variable {var}" + (f" (the old name of {self.env})" if var != self.env else "")
+
+
+# Python argument -> its option: the one place that maps the cache's flags, variables and arguments
+MOE_CACHE_OPTIONS: dict[str, MoeCacheOption] = {
+    "moe_cache_slots": MoeCacheOption(
+        "--moe-cache-slots", "LLAMA_ARG_MOE_CACHE_SLOTS", ("LLAMA_ARG_MOE_HOT_K",), 0, 0, _INT32_MAX,
+        "slots per cached layer (0 = off unless moe_cache_size_mib is set)"),
+    "moe_cache_size_mib": MoeCacheOption(
+        "--moe-cache-size", "LLAMA_ARG_MOE_CACHE_SIZE", (), 0, 0, _INT32_MAX,
+        "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
+    "moe_cache_policy": MoeCacheOption(
+        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None, "'freq' or 'lru'"),
+    "moe_cache_rebalance_interval": MoeCacheOption(
+        "--moe-cache-rebalance-interval", "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL",
+        ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",), 40, 1, _INT32_MAX, "freq policy: tokens between rebalances"),
+    "moe_cache_max_batch": MoeCacheOption(
+        "--moe-cache-max-batch", "LLAMA_ARG_MOE_CACHE_MAX_BATCH", ("LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",), 8, 1, 64,
+        "batches of up to this many tokens use the cache"),
+    "moe_cache_admit_misses": MoeCacheOption(
+        "--moe-cache-admit-misses", "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES", (), 2, 1, _INT32_MAX,
+        "lru policy: misses within the window before an expert is uploaded"),
+    "moe_cache_admit_window": MoeCacheOption(
+        "--moe-cache-admit-window", "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW", (), 16, 1, _INT32_MAX,
+        "lru policy: the admission window in tokens"),
+    "moe_cache_max_uploads": MoeCacheOption(
+        "--moe-cache-max-uploads", "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", (), 2, 1, _INT32_MAX,
+        "uploads per layer and step"),
+    "moe_cache_headroom_mib": MoeCacheOption(
+        "--moe-cache-headroom", "LLAMA_ARG_MOE_CACHE_HEADROOM", (), 512, 0, _INT32_MAX,
+        "device memory in MiB left free after the slot banks, which take what the context leaves"),
 }
 
 
@@ -256,8 +298,9 @@ def _moe_cache_options(kwargs=None, environ=None) -> dict:
 
     `kwargs` maps option names to the values a caller passed (None = not passed); an option not
     passed takes its environment variable (`environ`, default os.environ; an empty value counts as
-    unset), else its default. A bad value raises ValueError that names the argument or the
-    variable; an unknown option name raises TypeError, as a misspelled keyword argument does.
+    unset), else an old name of that variable, else its default. A bad value raises ValueError that
+    names the argument or the variable it came from; an unknown option name raises TypeError, as a
+    misspelled keyword argument does.
     """
     kwargs = dict(kwargs or {})
     environ = os.environ if environ is None else environ
@@ -266,23 +309,25 @@ def _moe_cache_options(kwargs=None, environ=None) -> dict:
         raise TypeError(f"unknown expert cache option(s): {', '.join(unknown)} "
                         f"(known: {', '.join(MOE_CACHE_OPTIONS)})")
     out = {}
-    for name, (var, default, minimum, maximum, what) in MOE_CACHE_OPTIONS.items():
+    for name, option in MOE_CACHE_OPTIONS.items():
+        default, minimum, maximum, what = option.default, option.minimum, option.maximum, option.what
         value = kwargs.get(name)
-        env_value = environ.get(var)
-        from_env = value is None and env_value is not None and env_value.strip() != ""
+        found = option.from_environment(environ) if value is None else None
         if name == "moe_cache_policy":
             if value is not None:
                 out[name] = _moe_cache_policy(value, name)
-            elif from_env:
-                out[name] = _moe_cache_policy(env_value.strip(), f"environment variable {var} ({name})")
+            elif found:
+                var, env_value = found
+                out[name] = _moe_cache_policy(env_value.strip(), f"{option.describe_variable(var)} ({name})")
             else:
                 out[name] = default
             continue
-        if from_env:
+        if found:
+            var, env_value = found
             text = env_value.strip()
             number = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None  # as C's strtol: no "1_000"
             if number is None or number < minimum or (maximum is not None and number > maximum):
-                raise ValueError(f"environment variable {var} ({name}: {what}) must be an integer"
+                raise ValueError(f"{option.describe_variable(var)} ({name}: {what}) must be an integer"
                                  f"{_range_text(minimum, maximum)} (got {env_value!r})")
             out[name] = number
         elif value is not None:
@@ -458,9 +503,12 @@ class Context:
     slots is 0); `moe_cache_policy` "freq" (routing frequency over a window, rebalanced every
     `moe_cache_rebalance_interval` tokens) or "lru" (an expert is uploaded after
     `moe_cache_admit_misses` misses within `moe_cache_admit_window` tokens); at most
-    `moe_cache_max_uploads` uploads per layer and step. An option left as None takes its environment
-    variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_HOT_K, LLAMA_ARG_MOE_CACHE_SIZE, ...), else its
-    default (0, 0, "freq", 40, 8, 2, 16, 2). `self.expert_cache` reports and steers the cache.
+    `moe_cache_max_uploads` uploads per layer and step; the banks are sized after the KV cache and
+    the compute buffers, from the device memory then free minus `moe_cache_headroom_mib`. An option
+    left as None takes its environment variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_CACHE_SLOTS,
+    LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
+    (0, 0, "freq", 40, 8, 2, 16, 2, 512).
+    `self.expert_cache` reports and steers the cache.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -468,7 +516,8 @@ class Context:
                  moe_cache_slots: int | None = None, moe_cache_size_mib: int | None = None,
                  moe_cache_policy: str | None = None, moe_cache_rebalance_interval: int | None = None,
                  moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
-                 moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None):
+                 moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None,
+                 moe_cache_headroom_mib: int | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -490,6 +539,7 @@ class Context:
             "moe_cache_admit_misses": moe_cache_admit_misses,
             "moe_cache_admit_window": moe_cache_admit_window,
             "moe_cache_max_uploads": moe_cache_max_uploads,
+            "moe_cache_headroom_mib": moe_cache_headroom_mib,
         })
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
@@ -515,11 +565,11 @@ class Context:
         """Clear the KV cache."""
         self._c.reset()
 
-    def record_routing(self, path) -> None:
+    def record_routing(self, path, append: bool = False) -> None:
         """Write the experts routed for every accepted token into `path` as JSONL, one line a token
         ({"seq": .., "pos": .., "layers": {"<layer>": [expert ids]}}), from now on, with or without the
-        expert cache; `record_routing(None)` stops and closes the file. OSError (naming the path)
-        when the file cannot be opened."""
+        expert cache; `record_routing(None)` stops and closes the file. The file is started afresh
+        unless `append`. OSError (naming the path) when the file cannot be opened."""
         if path is None:
             self._c.record_routing(None)
             self.routing_trace_path = None
@@ -529,6 +579,9 @@ class Context:
         text = str(Path(os.fspath(path)).expanduser())
         if not text:
             raise ValueError("path is empty (None stops recording)")
+        if not append:
+            with open(text, "w"):
+                pass  # the library appends, so that a context made again keeps what was written
         self._c.record_routing(text)
         self.routing_trace_path = text
 

@@ -193,8 +193,8 @@ def _policies(text: str) -> list[str]:
     return v
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moecache cache-sim", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "moecache cache-sim") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", help="routing trace (JSONL); with --record, the file to write first")
     p.add_argument("--slots", type=_int_list, default=[16, 32, 64], help="slots per layer to try (default 16,32,64)")
@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "moecache cache-sim") -> int:
+    args = build_parser(prog).parse_args(argv)
     for name in ("interval", "admit_misses", "admit_window", "max_uploads"):
         if getattr(args, name) < 1:
             print(f"moecache cache-sim: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

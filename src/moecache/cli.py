@@ -15,10 +15,11 @@ SUBCOMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: moecache <command> [options]", "", "commands:"]
+    lines = ["usage: moecache <command> [options]", "       moecache --version", "", "commands:"]
     for name, (_, text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<10} {text}")
-    lines += ["", "Run `moecache <command> --help` for the options of a command."]
+    lines += ["", "options:", f"  {'--version':<10} print the moecache version and the llama.cpp pin, then exit",
+              "", "Run `moecache <command> --help` for the options of a command."]
     return "\n".join(lines)
 
 
@@ -27,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0
+    if argv[0] == "--version":
+        from .info import version_line
+
+        print(version_line())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:
         print(f"moecache: unknown command '{name}'.\n\n{usage()}", file=sys.stderr)
@@ -34,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    # the subcommand's usage and messages name it as it was reached: `moecache build`, not moecache-build
+    return int(module.main(rest, prog=f"moecache {name}") or 0)
 
 
 if __name__ == "__main__":

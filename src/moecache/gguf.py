@@ -174,7 +174,8 @@ def _pad(n: int, alignment: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# quantization (reference formulas of ggml's quantize_row_q8_0_ref / q4_0_ref)
+# quantization: byte for byte what ggml's quantize_row_q8_0_ref / q4_0_ref and its F16 conversion
+# write (float32 arithmetic throughout, as in C; tests compare with llama.cpp's own gguf-py)
 
 _Q8_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
 _Q4_0_BLOCK = np.dtype([("d", "<f2"), ("qs", "u1", (16,))])
@@ -188,15 +189,21 @@ def _as_blocks(x: np.ndarray, qk: int) -> np.ndarray:
     return x.reshape(-1, qk)
 
 
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """C's roundf: to the nearest integer, halves away from zero (numpy's rint rounds them to even)."""
+    t = np.trunc(x)
+    return t + np.where(np.abs(x - t) >= 0.5, np.sign(x), 0)  # x - trunc(x) is exact in floating point
+
+
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
     """Q8_0 blocks (uint8 array of n_blocks x 34) of a float array whose last dimension is a multiple of 32."""
     xb = _as_blocks(x, 32)
     amax = np.abs(xb).max(axis=1)
-    d = amax / 127.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    d = amax / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     out = np.empty(len(xb), dtype=_Q8_0_BLOCK)
     out["d"] = d.astype(np.float16)
-    out["qs"] = np.rint(xb * inv[:, None]).astype(np.int8)
+    out["qs"] = round_half_away(xb * inv[:, None]).astype(np.int8)
     return out.view(np.uint8).reshape(len(xb), 34)
 
 
@@ -210,11 +217,11 @@ def dequantize_q8_0(blocks: np.ndarray | bytes) -> np.ndarray:
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     """Q4_0 blocks (uint8 array of n_blocks x 18): d = -max/8 where max is the signed value of largest |x|."""
     xb = _as_blocks(x, 32)
-    idx = np.abs(xb).argmax(axis=1)
+    idx = np.abs(xb).argmax(axis=1)  # the first of equal |x|, as ggml's strict `amax < fabsf(v)`
     vmax = xb[np.arange(len(xb)), idx]
-    d = vmax / -8.0
-    inv = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-    q = np.clip(np.trunc(xb * inv[:, None] + 8.5), 0, 15).astype(np.uint8)
+    d = vmax / np.float32(-8)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.trunc(xb * inv[:, None] + np.float32(8.5)), 0, 15).astype(np.uint8)  # (int8_t)(x + 8.5f)
     out = np.empty(len(xb), dtype=_Q4_0_BLOCK)
     out["d"] = d.astype(np.float16)
     out["qs"] = q[:, :16] | (q[:, 16:] << 4)
@@ -231,24 +238,47 @@ def dequantize_q4_0(blocks: np.ndarray | bytes) -> np.ndarray:
     return (q * b["d"].astype(np.float32)[:, None]).reshape(-1)
 
 
-# standard deviation of the weights of a block whose quants are uniform random bytes, per unit of d
-Q8_0_RANDOM_STD = float(np.sqrt((256.0**2 - 1) / 12.0))  # int8 uniform on -128..127
-Q4_0_RANDOM_STD = float(np.sqrt((16.0**2 - 1) / 12.0))   # nibble - 8 uniform on -8..7
+# Random quants must have mean 0: the raw ranges -128..127 and -8..7 have a mean of half a step,
+# which makes every random matrix W = mean * ones + noise. Its rank-one part adds the same value to
+# every output, layer after layer, until the hidden state of every token points the same way and
+# routes to the same experts (Q4_0 at n_embd 2048: the half step is ~0.11 std, enough to take over
+# within a few layers). So the one value without a mirror image (-128, -8) becomes 0.
+# standard deviation of the weights of such a block, per unit of d
+Q8_0_RANDOM_STD = float(np.sqrt(2 * sum(k * k for k in range(1, 128)) / 256))  # -127..127, and 0 twice
+Q4_0_RANDOM_STD = float(np.sqrt(2 * sum(k * k for k in range(1, 8)) / 16))     # -7..7, and 0 twice
+
+
+def zero_mean_quants(raw: np.ndarray, ggml_type: GGMLType | int) -> np.ndarray:
+    """Make uniform random Q8_0 / Q4_0 blocks (uint8, n_blocks x block bytes) symmetric around 0, in
+    place: the quant -128 (Q8_0), the nibble 0 (Q4_0: -8) become 0. The scale bytes are left alone."""
+    ggml_type = GGMLType(ggml_type)
+    qs = raw[:, 2:]
+    if ggml_type == GGMLType.Q8_0:
+        qs[qs == 0x80] = 0
+    elif ggml_type == GGMLType.Q4_0:
+        low_is_zero = ((qs & 0x0F) == 0).view(np.uint8)
+        high_is_zero = ((qs & 0xF0) == 0).view(np.uint8)
+        qs |= (low_is_zero << 3) | (high_is_zero << 7)  # nibble 0 -> 8, which is the value 0
+    else:
+        raise GGUFError(f"zero_mean_quants handles Q8_0 and Q4_0, not {ggml_type.name}")
+    return raw
 
 
 def random_blocks(rng: np.random.Generator, n_blocks: int, ggml_type: GGMLType | int, std: float) -> np.ndarray:
-    """Random quantized blocks (uint8, n_blocks x block bytes) whose weights have standard deviation ~`std`.
+    """Random quantized blocks (uint8, n_blocks x block bytes) whose weights have mean 0 and standard
+    deviation ~`std`.
 
-    The quants are uniform random bytes and every block has the same scale, so this is as fast as
-    the random generator: the way multi-GiB synthetic experts are written without float arrays.
+    The quants are uniform random bytes (made symmetric, see zero_mean_quants) and every block has
+    the same scale, so this is as fast as the random generator: the way multi-GiB synthetic experts
+    are written without float arrays.
     """
     ggml_type = GGMLType(ggml_type)
     if ggml_type == GGMLType.Q8_0:
-        raw = rng.integers(0, 256, size=(n_blocks, 34), dtype=np.uint8)
+        raw = zero_mean_quants(rng.integers(0, 256, size=(n_blocks, 34), dtype=np.uint8), ggml_type)
         raw[:, 0:2] = np.frombuffer(np.float16(std / Q8_0_RANDOM_STD).tobytes(), dtype=np.uint8)
         return raw
     if ggml_type == GGMLType.Q4_0:
-        raw = rng.integers(0, 256, size=(n_blocks, 18), dtype=np.uint8)
+        raw = zero_mean_quants(rng.integers(0, 256, size=(n_blocks, 18), dtype=np.uint8), ggml_type)
         raw[:, 0:2] = np.frombuffer(np.float16(std / Q4_0_RANDOM_STD).tobytes(), dtype=np.uint8)
         return raw
     if ggml_type in (GGMLType.F16, GGMLType.F32):
@@ -264,7 +294,8 @@ def quantize(x: np.ndarray, ggml_type: GGMLType | int) -> np.ndarray:
     if ggml_type == GGMLType.F32:
         return np.ascontiguousarray(x, dtype="<f4").reshape(-1).view(np.uint8)
     if ggml_type == GGMLType.F16:
-        return np.ascontiguousarray(x, dtype="<f2").reshape(-1).view(np.uint8)
+        # through float32 first, as ggml converts a float: float64 -> float16 directly can round differently
+        return np.asarray(x, dtype=np.float32).astype("<f2").reshape(-1).view(np.uint8)
     if ggml_type == GGMLType.Q8_0:
         return quantize_q8_0(x).reshape(-1)
     if ggml_type == GGMLType.Q4_0:

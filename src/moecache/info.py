@@ -11,6 +11,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def version_line() -> str:
+    """`moecache <version> (llama.cpp <pin>)`: what `moecache --version` prints and `moecache info` starts with."""
+    from . import __version__
+    from .orchestrator.upstream import PIN
+
+    return f"moecache {__version__} (llama.cpp {PIN.commit})"
+
+
 def collect() -> dict:
     """Build and system facts; native parts are None (with a reason) when they are not built."""
     from . import __version__, api, paths
@@ -45,9 +53,9 @@ def collect() -> dict:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "moecache info") -> int:
     parser = argparse.ArgumentParser(
-        prog="moecache info",
+        prog=prog,
         description="Show the moecache build (native module, llama.cpp pin, binaries), llama.cpp's system "
                     "info and the devices it sees with their free/total memory. Exits 1 when the native "
                     "module is not built.",
@@ -60,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(info, indent=2))
         return 0 if info["native_module"] else 1
 
-    print(f"moecache {info['moecache']} (llama.cpp {info['llama_cpp_commit']}), Python {info['python']}")
+    print(f"{version_line()}, Python {info['python']}")
     if info["native_module"]:
         print(f"native module: {info['native_module']}")
     else:

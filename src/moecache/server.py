@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 
+from .api import MOE_CACHE_OPTIONS
 from .gguf import check_model_file
 
 DEFAULT_HOST = "127.0.0.1"
@@ -48,13 +49,16 @@ class ServerError(RuntimeError):
 # --------------------------------------------------------------------------- argument handling
 
 
-def build_parser() -> argparse.ArgumentParser:
+PROG = "moecache-server"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """moecache's own flags. Long options only: llama-server owns the short ones."""
     p = argparse.ArgumentParser(
-        prog="moecache-server",
+        prog=prog,
         add_help=False,
         allow_abbrev=False,
-        usage="moecache-server [moecache flags] [llama-server flags]",
+        usage=f"{prog} [moecache flags] [llama-server flags]",
         description=(
             "Run the moecache build of llama-server. The flags below are moecache's own; every "
             "llama-server flag (and LLAMA_ARG_* environment variable) is accepted as well and "
@@ -66,16 +70,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help=f"serve a small synthetic MoE model (made once and cached; random weights, "
                         f"so the text it writes is gibberish). Listens on {DEFAULT_HOST}:{DEFAULT_PORT} "
-                        f"unless --host/--port are given")
+                        f"unless --host/--port (or LLAMA_ARG_HOST/LLAMA_ARG_PORT) say otherwise")
     return p
 
 
-def split_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def split_args(argv: Sequence[str], prog: str = PROG) -> tuple[argparse.Namespace, list[str]]:
     """Split argv into moecache's options and the llama-server arguments (kept verbatim, in order)."""
     argv = list(argv)
     # `-h` is not an argparse option: argparse would read llama-server's `-hf REPO` as `-h -f REPO`.
     wants_help = "-h" in argv
-    ours, rest = build_parser().parse_known_args(argv)
+    ours, rest = build_parser(prog).parse_known_args(argv)
     if wants_help:
         ours.help = True
         rest = [a for a in rest if a != "-h"]
@@ -106,20 +110,28 @@ def has_flag(args: Sequence[str], names: Iterable[str]) -> bool:
                for a in args)
 
 
+# each llama-server setting --demo touches: its flags and the environment variables that set it
+# (llama-server's arg table, common/arg.cpp). llama-server reads the variables first and lets flags
+# override them, so a flag the demo added would silently beat the user's environment: every
+# setting below is added only when neither the user's flags nor their environment decide it.
 MODEL_FLAGS = ("-m", "--model")
+MODEL_ENV = ("LLAMA_ARG_MODEL",)
 HOST_FLAGS = ("--host",)
+HOST_ENV = ("LLAMA_ARG_HOST",)
 PORT_FLAGS = ("--port",)
+PORT_ENV = ("LLAMA_ARG_PORT",)
 CTX_FLAGS = ("-c", "--ctx-size")
+CTX_ENV = ("LLAMA_ARG_CTX_SIZE",)
 
-# --demo shows the hot-expert cache; each setting is added only when the user's own flags and
-# environment leave it open, so whatever they pass still wins
+# --demo shows the hot-expert cache
 DEMO_CACHE_SLOTS = 16
-CACHE_SIZE_FLAGS = ("--moe-cache-slots", "--moe-cache-size")  # the cache's other flags tune it, not size it
-CACHE_SIZE_ENV = ("LLAMA_ARG_MOE_HOT_K", "LLAMA_ARG_MOE_CACHE_SIZE")
+CACHE_SIZE_OPTIONS = ("moe_cache_slots", "moe_cache_size_mib")  # the cache's other options tune it, not size it
+CACHE_SIZE_FLAGS = tuple(MOE_CACHE_OPTIONS[o].flag for o in CACHE_SIZE_OPTIONS)
+CACHE_SIZE_ENV = tuple(v for o in CACHE_SIZE_OPTIONS for v in MOE_CACHE_OPTIONS[o].env_names)
 EXPERT_PLACEMENT_FLAGS = ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor")
 EXPERT_PLACEMENT_ENV = ("LLAMA_ARG_CPU_MOE", "LLAMA_ARG_N_CPU_MOE", "LLAMA_ARG_OVERRIDE_TENSOR")
 REPACK_FLAGS = ("--repack", "-nr", "--no-repack")
-REPACK_ENV = ("LLAMA_ARG_REPACK",)
+REPACK_ENV = ("LLAMA_ARG_REPACK", "LLAMA_ARG_NO_REPACK")  # llama.cpp also reads LLAMA_ARG_NO_<X> of a negatable flag
 METRICS_FLAGS = ("--metrics",)
 METRICS_ENV = ("LLAMA_ARG_ENDPOINT_METRICS",)
 HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"  # test device: the slot banks in host memory
@@ -129,9 +141,9 @@ HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"  # test device: the slot banks i
 
 
 def demo_model_path() -> Path:
-    from .orchestrator.upstream import cache_dir
+    from .synth import cached_model_path
 
-    return cache_dir() / "models" / f"{DEMO_PRESET}-seed{DEMO_SEED}.gguf"
+    return cached_model_path(DEMO_PRESET, seed=DEMO_SEED)
 
 
 def ensure_synth_model(path: Path, preset: str, seed: int = 0, quant: str | None = None,
@@ -176,20 +188,51 @@ def _env_set(environ: Mapping[str, str], names: Iterable[str]) -> bool:
     return any(environ.get(n, "").strip() for n in names)
 
 
+def user_decides(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str]) -> bool:
+    """Whether the user's llama-server flags or environment set a setting."""
+    return has_flag(args, flags) or _env_set(environ, env)
+
+
+def setting_value(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str],
+                  default: str) -> str:
+    """The value llama-server will use for a setting: the last flag, else the environment, else `default`."""
+    value = find_flag_value(args, flags)
+    if value is not None:
+        return value
+    for name in env:
+        if environ.get(name, "").strip():
+            return environ[name].strip()
+    return default
+
+
+def demo_server_setup(rest: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str], str, str]:
+    """What --demo adds to listen where the demo says (flags to put before the user's), and the host
+    and port llama-server will then listen on, whoever decided them."""
+    args: list[str] = []
+    for flags, env, value in ((HOST_FLAGS, HOST_ENV, DEFAULT_HOST), (PORT_FLAGS, PORT_ENV, str(DEFAULT_PORT)),
+                              (CTX_FLAGS, CTX_ENV, str(DEMO_CTX))):
+        if not user_decides(rest, environ, flags, env):
+            args += [flags[0], value]
+    host = setting_value(rest, environ, HOST_FLAGS, HOST_ENV, DEFAULT_HOST)
+    host = host.split(",")[0].strip() or DEFAULT_HOST  # llama-server takes a list: it listens on the first too
+    port = setting_value(rest, environ, PORT_FLAGS, PORT_ENV, str(DEFAULT_PORT))
+    return args, host, port
+
+
 def demo_cache_setup(rest: Sequence[str], environ: Mapping[str, str], cuda: Sequence[str] | None
                      ) -> tuple[list[str], dict[str, str], str]:
     """What --demo adds to show the hot-expert cache: (llama-server flags to put before the user's,
     environment for the server, a line that says what the cache is). A setting the user's flags or
     environment already decide is left to them."""
-    user_cache = has_flag(rest, CACHE_SIZE_FLAGS) or _env_set(environ, CACHE_SIZE_ENV)
+    user_cache = user_decides(rest, environ, CACHE_SIZE_FLAGS, CACHE_SIZE_ENV)
     args: list[str] = []
-    if not has_flag(rest, EXPERT_PLACEMENT_FLAGS) and not _env_set(environ, EXPERT_PLACEMENT_ENV):
+    if not user_decides(rest, environ, EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV):
         args.append("--cpu-moe")  # the experts in host memory: what the cache serves from its slots
-    if not has_flag(rest, REPACK_FLAGS) and not _env_set(environ, REPACK_ENV):
+    if not user_decides(rest, environ, REPACK_FLAGS, REPACK_ENV):
         args.append("--no-repack")  # the cache cannot copy repacked experts into its slots
     if not user_cache:
         args += ["--moe-cache-slots", str(DEMO_CACHE_SLOTS)]
-    if not has_flag(rest, METRICS_FLAGS) and not _env_set(environ, METRICS_ENV):
+    if not user_decides(rest, environ, METRICS_FLAGS, METRICS_ENV):
         args.append("--metrics")
     env: dict[str, str] = {}
     if cuda:
@@ -230,13 +273,42 @@ def _announce_when_ready(proc: subprocess.Popen, url: str, out) -> None:
     threading.Thread(target=poll, name="moecache-ready", daemon=True).start()
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent_hook():
+    """A preexec_fn for Popen that makes the child get SIGTERM when this process dies, even by
+    SIGKILL (Linux: prctl(PR_SET_PDEATHSIG)), so no llama-server is left serving its port without
+    its launcher. None where that is not available. The signal follows the thread that starts the
+    child: call Popen from a thread that lives as long as the child (run_forwarding waits in it)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook():
+        if prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                 ctypes.c_ulong(0)) != 0:
+            return  # not allowed here: run without it, as before
+        if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come
+            os._exit(1)
+
+    return hook
+
+
 def run_forwarding(cmd: Sequence[str], env: Mapping[str, str] | None = None, ready_url: str | None = None) -> int:
     """Run `cmd`, forward SIGINT/SIGTERM/SIGHUP to it, return its exit code (128+N if killed by N).
-    With `ready_url`, print a line when the server there reports healthy."""
+    With `ready_url`, print a line when the server there reports healthy. The child gets SIGTERM
+    when this process dies without forwarding anything (SIGKILL), where the system allows it."""
     # a session of its own: a terminal's Ctrl-C reaches only us, and we forward it once (a second
     # SIGINT would make llama-server exit at once instead of shutting down cleanly)
     proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None,
-                            start_new_session=os.name == "posix")
+                            start_new_session=os.name == "posix", preexec_fn=die_with_parent_hook())
     if ready_url:
         _announce_when_ready(proc, ready_url, sys.stderr)
     forwarded = [signal.SIGINT, signal.SIGTERM]
@@ -265,9 +337,9 @@ def run_forwarding(cmd: Sequence[str], env: Mapping[str, str] | None = None, rea
     return 128 - rc if rc < 0 else rc
 
 
-def print_help(out=None) -> None:
+def print_help(out=None, prog: str = PROG) -> None:
     out = out or sys.stdout
-    out.write(build_parser().format_help())
+    out.write(build_parser(prog).format_help())
     out.write("\nEvery llama-server flag is accepted too, and passed through unchanged "
               "(e.g. -m MODEL, -ngl 99, -ot exps=CPU, -c 8192, --port 8080).\n")
     try:
@@ -287,17 +359,22 @@ def print_help(out=None) -> None:
     out.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours, rest = split_args(argv)
+    ours, rest = split_args(argv, prog)
     if ours.help:
-        print_help()
+        print_help(prog=prog)
         return 0
 
     if ours.demo:
         if has_flag(rest, MODEL_FLAGS):
             print("moecache-server: --demo serves its own synthetic model and cannot be combined with "
                   "-m/--model. Fix: drop --demo to serve your model, or drop -m.", file=sys.stderr)
+            return EXIT_USAGE
+        if _env_set(os.environ, MODEL_ENV):
+            print(f"moecache-server: --demo serves its own synthetic model, but {MODEL_ENV[0]} is set "
+                  f"({os.environ[MODEL_ENV[0]].strip()}). Fix: drop --demo to serve that model, or unset "
+                  f"{MODEL_ENV[0]} for the demo.", file=sys.stderr)
             return EXIT_USAGE
         try:
             path = ensure_synth_model(demo_model_path(), DEMO_PRESET, seed=DEMO_SEED)
@@ -314,17 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError:
             cuda = None  # said below, where the binary is needed
         cache_args, cache_env, cache_what = demo_cache_setup(rest, os.environ, cuda)
-        extra = ["-m", str(path)]
-        if not has_flag(rest, HOST_FLAGS):
-            extra += ["--host", DEFAULT_HOST]
-        if not has_flag(rest, PORT_FLAGS):
-            extra += ["--port", str(DEFAULT_PORT)]
-        if not has_flag(rest, CTX_FLAGS):
-            extra += ["-c", str(DEMO_CTX)]
-        rest = extra + cache_args + rest
+        listen_args, host, port = demo_server_setup(rest, os.environ)
+        rest = ["-m", str(path)] + listen_args + cache_args + rest
         env = {**os.environ, **cache_env} if cache_env else None
-        host = find_flag_value(rest, HOST_FLAGS) or DEFAULT_HOST
-        port = find_flag_value(rest, PORT_FLAGS) or str(DEFAULT_PORT)
         url_host = f"[{host}]" if ":" in host else host
         ready_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else url_host}:{port}"
         print("moecache-server --demo\n"

@@ -8,8 +8,9 @@ How the routing is made to follow tokens:
 
 * every vocabulary token belongs to a cluster (a seeded hash of its id); its embedding is the
   cluster's centroid (orthonormal directions, scaled to entries of about 1) plus noise;
-* the residual updates are small (attn_output and ffn_down_exps have small scales), so the hidden
-  state of every layer stays close to the token's embedding;
+* the residual updates are small (attn_output and ffn_down_exps have small scales) and the random
+  weights have mean 0 (gguf.zero_mean_quants: a bias would add one common direction to every
+  token in every layer), so the hidden state of every layer stays close to the token's embedding;
 * each layer draws a cluster -> preferred experts map (biased by a per-layer expert popularity)
   and its router rows (ffn_gate_inp, F32) are sums of the centroids of the clusters that prefer
   the expert, scaled by ``routing_strength``, plus a random part. At strength 0 the router is
@@ -47,7 +48,10 @@ from . import gguf
 from .gguf import GGMLType, ValueType
 
 ARCH = "qwen3moe"
-SYNTH_VERSION = 1
+# the generator's version: bumped whenever the same arguments give other bytes; it is in the file's
+# metadata and in the names of cached models (cached_model_name)
+SYNTH_VERSION = 2
+DEFAULT_QUANT = "q8_0"
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,7 @@ def _random_raw_blocks(rng: np.random.Generator, n_blocks: int, wt: GGMLType, st
     bsize = gguf.BLOCK_SIZES[wt][1]
     nbytes = n_blocks * bsize
     raw = rng.bit_generator.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes].reshape(n_blocks, bsize)
+    gguf.zero_mean_quants(raw, wt)
     unit = gguf.Q8_0_RANDOM_STD if wt == GGMLType.Q8_0 else gguf.Q4_0_RANDOM_STD
     raw[:, 0:2] = np.frombuffer(np.float16(std / unit).tobytes(), dtype=np.uint8)
     return raw
@@ -413,7 +418,7 @@ def _run_quantize(src: Path, dst: Path, quant: str, requantize: bool, threads: i
         raise SynthError(f"llama-quantize failed (exit {proc.returncode}) making {quant}:\n{tail}")
 
 
-def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: str = "q8_0", seed: int = 0,
+def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: str = DEFAULT_QUANT, seed: int = 0,
                 routing_strength: float = 1.0, progress: bool = True, threads: int | None = None,
                 overwrite: bool = True) -> Path:
     """Write a synthetic qwen3moe model to `path` and return it.
@@ -465,6 +470,19 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
             if t is not None and t.exists():
                 t.unlink()
     return path
+
+
+def cached_model_name(preset: str, quant: str | None = None, seed: int = 0) -> str:
+    """File name of a cached synthetic model, <preset>-<quant>-seed<N>-synth-v<SYNTH_VERSION>.gguf: with
+    the generator's version in it, a file that an older generator made is never taken for a new one."""
+    return f"{preset}-{(quant or DEFAULT_QUANT).lower()}-seed{seed}-synth-v{SYNTH_VERSION}.gguf"
+
+
+def cached_model_path(preset: str, quant: str | None = None, seed: int = 0) -> Path:
+    """Where moecache caches a synthetic model (the demo's, a benchmark scenario's { synth = ... })."""
+    from .orchestrator.upstream import cache_dir
+
+    return cache_dir() / "models" / cached_model_name(preset, quant, seed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -860,10 +878,10 @@ def _quant_name(s: str) -> str:
     return s.lower()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "moecache synth") -> argparse.ArgumentParser:
     presets = "; ".join(f"{n}: {p.description}" for n, p in PRESETS.items())
     ap = argparse.ArgumentParser(
-        prog="moecache synth",
+        prog=prog,
         description="Write a synthetic MoE GGUF (qwen3moe) with real shapes, the real qwen2 tokenizer and random "
                     "weights whose expert routing follows token identity; or, with --stats, report the routing "
                     "statistics of real text through a model.",
@@ -873,8 +891,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", metavar="OUT.gguf", help="the model file to write")
     ap.add_argument("--preset", type=_preset_name, default="tiny", help=f"model shape (default tiny). {presets}")
-    ap.add_argument("--quant", type=_quant_name, default="q8_0",
-                    help=f"weight type (default q8_0). Written directly: {', '.join(DIRECT_QUANTS)}. "
+    ap.add_argument("--quant", type=_quant_name, default=DEFAULT_QUANT,
+                    help=f"weight type (default {DEFAULT_QUANT}). Written directly: {', '.join(DIRECT_QUANTS)}. "
                          f"Made with the built llama-quantize: {', '.join(QUANTIZE_QUANTS)}")
     ap.add_argument("--seed", type=_seed, default=0, help="random seed; the same seed gives the same bytes (default 0)")
     ap.add_argument("--routing-strength", type=_strength, default=1.0,
@@ -920,9 +938,9 @@ def _stats_main(args, ap) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "moecache synth") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = build_parser()
+    ap = build_parser(prog)
     if argv and argv[0] == "stats":
         argv = argv[1:]
         if argv and not argv[0].startswith("-"):

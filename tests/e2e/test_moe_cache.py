@@ -24,8 +24,9 @@ CTX = {"n_ctx": 512, "n_batch": 256, "n_ubatch": 64}
 @pytest.fixture(autouse=True)
 def host_device(monkeypatch):
     """The test device for the slot banks, and none of the cache's environment defaults."""
-    for var, *_ in api.MOE_CACHE_OPTIONS.values():
-        monkeypatch.delenv(var, raising=False)
+    for option in api.MOE_CACHE_OPTIONS.values():
+        for var in option.env_names:
+            monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LLAMA_MOE_CACHE_HOST_DEVICE", "1")
 
 

@@ -6,6 +6,7 @@ Kept fast for 2-core machines: 2 threads, a 512-token context, a few short reque
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -200,3 +201,59 @@ def test_generate_matches_the_server(srv, tiny_model):
     assert len(g.tokens) > 0
     assert g.tokens == out["tokens"]
     assert g.text == out["content"]
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, Z, ...), None when it no longer exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[0]  # after "pid (comm)": comm may hold spaces
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+# a bound for the wait, not a target: llama-server's graceful shutdown takes a fraction of it
+GONE_WITHIN_S = 30
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_killing_the_launcher_takes_llama_server_with_it(tiny_model, llama_server_bin, free_port, subprocess_env):
+    port = free_port()
+    proc = _launcher(["-m", str(tiny_model), "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS],
+                     subprocess_env)
+    children = []
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", proc)
+        children = _children(proc.pid)
+        assert len(children) == 1, children
+        [child] = children
+        assert Path(f"/proc/{child}/comm").read_text().strip() == "llama-server"
+        proc.send_signal(signal.SIGKILL)  # nothing can be forwarded now
+        proc.wait(timeout=15)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while time.monotonic() < deadline and (_process_state(child) not in (None, "Z") or not _port_is_free(port)):
+            time.sleep(0.1)
+        assert _process_state(child) in (None, "Z"), \
+            f"llama-server (pid {child}) outlived its killed launcher (state {_process_state(child)})"
+        assert _port_is_free(port), f"port {port} is still taken after the launcher was killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in children:  # an orphan left by a failure above
+            if _process_state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)

@@ -212,7 +212,7 @@ def test_bad_spec_flags_fail_with_a_clear_error(gemma_model, llama_server_bin, f
 def test_the_gates_apply_to_ngram_drafters_unless_told(gemma_model, plain, gates, gated):
     """A draft model (Gemma drafting for itself) under the strict load gate: by default the gates are
     for the n-gram drafters only, so it keeps drafting like upstream; --spec-gates all gates it too."""
-    args = BASE + ["-np", "2", "-md", str(gemma_model), "-ngld", "0", "--spec-draft-n-max", "4",
+    args = BASE + ["-np", "2", "-md", str(gemma_model), "-ngld", "0", "--spec-type", "draft-simple", "--spec-draft-n-max", "4",
                    "--spec-max-users", "1", "--spec-load-min-accept", "1", "--spec-gates", gates]
     with ServerProcess(gemma_model, args=args, timeout=180) as srv:
         outs = concurrently(srv, CODE, n_users=2, n_predict=48)

@@ -87,3 +87,73 @@ def test_stats_command_uses_the_real_model(core, tiny_model):
                           "--threads", "2"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert "routing from: core" in out.stdout and "top25%" in out.stdout
+
+
+# --------------------------------------------------------------------------- --routing-strength
+
+STRENGTHS = (0.0, 0.3, 1.0)
+# tiny's shapes but the width of real models (n_embd 1024, 32 heads of 128): a bias in the random
+# weights adds up in every layer of such a model and took over its routing, whatever the strength
+WIDE = synth.Preset(name="wide-test", description="for tests: 8 layers, d_model 1024, 32 experts (top-4)",
+                    n_layer=8, n_embd=1024, n_expert=32, n_expert_used=4, n_ff_exp=64, n_ff=256,
+                    n_head=32, n_head_kv=4, head_dim=128, n_ctx_train=4096)
+
+
+def usage_concentration(trace: np.ndarray, n_expert: int) -> np.ndarray:
+    """Per layer, 1 - the entropy of expert usage over the text / log(n_expert): 0 = every expert
+    used equally often, 1 = a single expert."""
+    out = []
+    for il in range(trace.shape[1]):
+        p = np.bincount(trace[:, il].reshape(-1), minlength=n_expert) / trace[:, il].size
+        p = p[p > 0]
+        out.append(1.0 + float((p * np.log(p)).sum()) / np.log(n_expert))
+    return np.asarray(out)
+
+
+@pytest.fixture(scope="module")
+def routing_by_strength(core, tmp_path_factory, text):
+    """(preset, quant, n_tokens) -> {strength: routing trace of the text through the compiled model}."""
+    made = {}
+
+    def traces(preset, quant, n_tokens):
+        key = (preset.name, quant, n_tokens)
+        if key not in made:
+            made[key] = {}
+            for strength in STRENGTHS:
+                path = tmp_path_factory.mktemp("strength") / f"{preset.name}-{quant}-{strength}.gguf"
+                synth.write_model(path, preset=preset, quant=quant, seed=0, routing_strength=strength,
+                                  progress=False)
+                m = core.Model(str(path))
+                tokens = m.tokenize(text, add_special=False, parse_special=False)[:n_tokens]
+                ctx = m.context(n_ctx=len(tokens), n_batch=len(tokens), n_ubatch=512, n_threads=2)
+                made[key][strength] = np.asarray(ctx.trace_routing(tokens))
+                del ctx, m
+                path.unlink()
+        return made[key]
+
+    return traces
+
+
+@pytest.mark.parametrize("preset, quant, n_tokens", [
+    pytest.param(synth.PRESETS["tiny"], "q8_0", 4096, id="tiny"),
+    pytest.param(WIDE, "q4_0", 1024, marks=pytest.mark.slow, id="wide-q4_0"),
+])
+def test_routing_strength_concentrates_the_real_routing(routing_by_strength, preset, quant, n_tokens):
+    traces = routing_by_strength(preset, quant, n_tokens)
+    by_entropy = {s: usage_concentration(t, preset.n_expert) for s, t in traces.items()}
+    by_top10 = {s: np.array([layer["top10_share"] for layer in synth.routing_stats(t, preset.n_expert)["layers"]])
+                for s, t in traces.items()}
+    for measure, values in (("usage entropy", by_entropy), ("top-10% share", by_top10)):
+        for low, high in zip(STRENGTHS, STRENGTHS[1:]):
+            # layer by layer: the models of one seed share clusters and the random part of each router,
+            # so the per-layer differences are the strength's own effect; their spread is the yardstick
+            diff = values[high] - values[low]
+            standard_error = diff.std(ddof=1) / np.sqrt(len(diff))
+            assert diff.mean() > 2 * standard_error, (
+                f"{measure}: strength {high} is not clearly more concentrated than {low}: per-layer "
+                f"differences {np.round(diff, 4).tolist()} (mean {diff.mean():.4f}, standard error "
+                f"{standard_error:.4f}); concentration by strength: "
+                f"{ {s: round(float(v.mean()), 4) for s, v in values.items()} }")
+    # strength 0 (a random router) is near-uniform: less than half the concentration of strength 1
+    assert by_entropy[0.0].mean() < by_entropy[1.0].mean() / 2, \
+        {s: round(float(v.mean()), 4) for s, v in by_entropy.items()}

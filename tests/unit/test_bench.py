@@ -309,7 +309,8 @@ class H(BaseHTTPRequestHandler):
             self.reply({"enabled": slots > 0, "config": {"n_slots": slots, "policy": "freq"},
                         "total": {"hits": 75, "misses": 25, "hit_rate": 0.75, "hit_rate_recent": 0.8,
                                   "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
-                                  "step_ms_max": 0.25, "bytes_vram": slots * 4 << 20},
+                                  "step_ms_max": 0.25, "bytes_vram": slots * 4 << 20, "batches_cached": 30,
+                                  "batches_bypassed": {"batch": 2, "warmup": 1}},
                         "layers": []})
         else: self.reply({"error": "no"}, 404)
     def do_POST(self):
@@ -408,7 +409,7 @@ def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_se
     assert "moe_cache" not in arms["off"]  # "enabled": false
     assert arms["small"]["moe_cache"] == {
         "hit_rate": 0.75, "hit_rate_recent": 0.8, "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
-        "step_ms_max": 0.25, "n_slots": 16, "bytes_vram": 64 << 20}
+        "step_ms_max": 0.25, "n_slots": 16, "bytes_vram": 64 << 20, "batches_cached": 30, "batches_bypassed": 2}
     [md] = list(out.glob("*-t.md"))
     text = md.read_text()
     assert "| hit rate | cache MiB |" in text
@@ -418,24 +419,69 @@ def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_se
 
 def test_runner_writes_results_after_every_arm(tmp_path, fake_server_bin, capsys, monkeypatch):
     """A run cut short (a device time limit) keeps the arms it finished: results are written after
-    every arm, marked partial, and the final write drops the mark."""
+    every arm, marked partial, and the final write drops the mark. Those writes go to the run's own
+    files; a second run of the same day gets files of its own."""
     snapshots = []
     real_write = runner.write_results
 
-    def recording_write(run, out_dir):
+    def recording_write(run, out_dir, paths=None):
+        written = real_write(run, out_dir, paths)
         snapshots.append((run.get("partial"), sorted({r["arm"] for r in run["results"]}),
-                          report.render_markdown(run)))
-        return real_write(run, out_dir)
+                          report.render_markdown(run), written))
+        return written
 
     monkeypatch.setattr(runner, "write_results", recording_write)
     path = write_scenario(tmp_path, GOOD)
     out = tmp_path / "results"
     assert bench.main([str(path), "--out", str(out), "--reps", "1"]) == 0
-    assert [(p, arms) for p, arms, _ in snapshots] == [("1 of 2 arms", ["base"]), (None, ["base", "small"])]
+    assert [(p, arms) for p, arms, _, _ in snapshots] == [("1 of 2 arms", ["base"]), (None, ["base", "small"])]
     assert "partial results" in snapshots[0][2] and "1 of 2 arms" in snapshots[0][2]
     assert "partial results" not in snapshots[1][2]
+    first_files = snapshots[0][3]
+    assert snapshots[1][3] == first_files  # the final write replaced the partial one
     [js] = list(out.glob("*-t.json"))
+    assert js == first_files[1]
     assert "partial" not in json.loads(js.read_text())
+    first_text = js.read_text()
+
+    snapshots.clear()
+    assert bench.main([str(path), "--out", str(out), "--reps", "1"]) == 0
+    second_files = snapshots[0][3]
+    assert snapshots[1][3] == second_files
+    assert second_files != first_files
+    assert second_files[1].name == first_files[1].name.replace("-t.json", "-t-2.json")
+    assert js.read_text() == first_text  # the first run's results are untouched
+    assert len(list(out.glob("*.json"))) == len(list(out.glob("*.md"))) == 2
+
+
+def test_a_second_run_of_the_day_never_overwrites_the_first(tmp_path):
+    out = tmp_path / "results"
+    first = report.write_results(fake_run(), out)
+    second_run = fake_run()
+    second_run["moecache_commit"] = "def5678"
+    second = report.write_results(second_run, out)
+    third = report.write_results(fake_run(), out)
+    assert [p.name for p in first] == ["2024-01-02-fake.md", "2024-01-02-fake.json"]
+    assert [p.name for p in second] == ["2024-01-02-fake-2.md", "2024-01-02-fake-2.json"]
+    assert [p.name for p in third] == ["2024-01-02-fake-3.md", "2024-01-02-fake-3.json"]
+    assert "abc1234+dirty" in first[0].read_text() and "def5678" not in first[0].read_text()
+    assert json.loads(second[1].read_text())["moecache_commit"] == "def5678"
+    # a run's own rewrite (the partial results after each arm) goes to its own files
+    second_run["partial"] = "1 of 3 arms"
+    assert report.write_results(second_run, out, second) == second
+    assert json.loads(second[1].read_text())["partial"] == "1 of 3 arms"
+    assert "partial" not in json.loads(first[1].read_text())
+    assert len(list(out.iterdir())) == 6
+
+
+def test_a_number_whose_json_alone_exists_is_taken(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "2024-01-02-fake.json").write_text("{}")  # a run whose .md was removed: still its number
+    md, js = report.write_results(fake_run(), out)
+    assert (md.name, js.name) == ("2024-01-02-fake-2.md", "2024-01-02-fake-2.json")
+    assert (out / "2024-01-02-fake.json").read_text() == "{}"
+    assert not (out / "2024-01-02-fake.md").exists()
 
 
 def test_moe_cache_summary_reads_the_totals():
@@ -444,9 +490,11 @@ def test_moe_cache_summary_reads_the_totals():
     assert runner.moe_cache_summary({"enabled": False, "total": {"hit_rate": 0.5}}) is None
     assert runner.moe_cache_summary({"total": {"hit_rate": 0.5}}) is None  # "enabled" must say so
     s = runner.moe_cache_summary({"enabled": True, "n_slots": 8,
-                                  "total": {"hit_rate": 0.5, "uploads": 3, "bytes_vram": 1024, "evictions": True}})
+                                  "total": {"hit_rate": 0.5, "uploads": 3, "bytes_vram": 1024, "evictions": True,
+                                            "batches_cached": 40, "batches_bypassed": {"batch": 3, "warmup": 1}}})
     assert s == {"hit_rate": 0.5, "hit_rate_recent": None, "uploads": 3, "bytes_uploaded": None,
-                 "evictions": None, "step_ms_max": None, "n_slots": 8, "bytes_vram": 1024}
+                 "evictions": None, "step_ms_max": None, "n_slots": 8, "bytes_vram": 1024,
+                 "batches_cached": 40, "batches_bypassed": 3}  # bypassed: over the max batch, not the warm-up
     # flat answers (no "total") work too; "config" fills what the totals lack
     flat = runner.moe_cache_summary({"enabled": True, "hit_rate": 0.9, "config": {"n_slots": 4}})
     assert flat["hit_rate"] == 0.9 and flat["n_slots"] == 4
@@ -461,7 +509,8 @@ def test_report_shows_the_expert_cache_only_when_an_arm_has_one():
 
     run["arms"][1]["moe_cache"] = {"hit_rate": 0.8125, "hit_rate_recent": 0.9, "uploads": 1200,
                                    "bytes_uploaded": 3 * 2**30, "evictions": 900, "step_ms_max": 0.42,
-                                   "n_slots": 32, "bytes_vram": 1536 * 2**20}
+                                   "n_slots": 32, "bytes_vram": 1536 * 2**20, "batches_cached": 86,
+                                   "batches_bypassed": 3}
     text = report.render_markdown(run)
     arms = text[text.index("## Arms"):text.index("## Results")]
     assert "| arm | server args | env | hit rate | cache MiB | note |" in arms
@@ -473,7 +522,7 @@ def test_report_shows_the_expert_cache_only_when_an_arm_has_one():
     assert broken.rstrip().endswith("| - | - | FAILED: out of memory |")
     detail = next(line for line in arms.splitlines() if line.startswith("| fast | 81.2%"))
     assert [c.strip() for c in detail.strip("|").split("|")] == [
-        "fast", "81.2%", "90.0%", "1200", "3072.0", "900", "32", "1536.0", "0.42"]
+        "fast", "81.2%", "90.0%", "1200", "3072.0", "900", "32", "1536.0", "0.42", "86", "3"]
     # every table row has as many cells as its header
     for block in arms.split("\n\n"):
         rows = [line for line in block.splitlines() if line.startswith("|")]

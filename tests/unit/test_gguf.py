@@ -161,7 +161,23 @@ def test_random_blocks_have_the_chosen_scale(gtype):
     assert blocks.dtype == np.uint8 and blocks.shape[0] == 20000
     vals = gguf.dequantize(blocks.reshape(-1), gtype)
     assert vals.std() == pytest.approx(0.05, rel=0.03)
-    assert abs(vals.mean()) < 0.1 * 0.05 + 0.5 * 0.05 / 4  # Q4_0's -8..7 range has a half-step mean
+    # mean 0 within sampling error: a bias, repeated in every weight, would add the same direction
+    # to every token's hidden state, layer after layer (see gguf.zero_mean_quants)
+    standard_error = vals.std() / np.sqrt(vals.size)
+    assert abs(vals.mean()) < 4 * standard_error, f"mean {vals.mean():.3g}, standard error {standard_error:.3g}"
+
+
+@pytest.mark.parametrize("gtype", [GGMLType.Q8_0, GGMLType.Q4_0])
+def test_zero_mean_quants_mirror_every_value(gtype):
+    # every byte value once among the quant bytes: what uniform random bytes give on average
+    qs = np.arange(256, dtype=np.uint8).reshape(-1, gguf.BLOCK_SIZES[gtype][1] - 2)
+    scale = np.frombuffer(np.float16(1.0).tobytes(), dtype=np.uint8)
+    raw = np.concatenate([np.tile(scale, (len(qs), 1)), qs], axis=1)
+    quants = gguf.dequantize(gguf.zero_mean_quants(raw.copy(), gtype).reshape(-1), gtype)
+    values, counts = np.unique(quants, return_counts=True)
+    by_value = dict(zip(values.tolist(), counts.tolist()))
+    assert all(by_value.get(-v) == c for v, c in by_value.items() if v != 0)  # symmetric around 0
+    assert min(by_value) == -max(by_value)
 
 
 def test_writer_checks_sizes_order_and_blocks(tmp_path):
@@ -220,3 +236,43 @@ def test_reads_the_upstream_qwen2_vocab():
     assert {kv.key for kv in kvs} >= {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre",
                                       "tokenizer.ggml.eos_token_id"}
     assert all(kv.key.startswith("tokenizer.") for kv in kvs)
+
+
+# --------------------------------------------------------------------------- the same bytes as ggml
+
+
+def _data_with_ties(rng) -> np.ndarray:
+    """Random rows, and blocks whose values fall exactly on the rounding ties of each type."""
+    rows = [rng.standard_normal(256).astype(np.float32) * scale for scale in (1e-3, 0.1, 1.0, 37.0)]
+    halves = np.arange(-15.5, 16.5, 1.0, dtype=np.float32)  # 32 values k + 0.5
+    q8_d1 = halves.copy()
+    q8_d1[0] = 127.0  # amax 127: d = 1, so x / d is exactly k + 0.5
+    q8_d2 = (2 * halves + 1).astype(np.float32)
+    q8_d2[5] = -254.0  # d = 2: odd values land on halves
+    q4_d1 = np.clip(halves, -7.5, 7.5)
+    q4_d1[3] = -8.0  # max = -8: d = 1, x + 8.5 is an integer
+    sign_tie = rng.standard_normal(32).astype(np.float32)
+    sign_tie[4], sign_tie[9] = 3.0, -3.0  # equal |x|: the first one sets Q4_0's scale
+    f16_ties = (1.0 + (2 * np.arange(32, dtype=np.float32) + 1) * np.float32(2.0**-11)).astype(np.float32)
+    zeros = np.zeros(32, np.float32)
+    rows.append(np.concatenate([q8_d1, q8_d2, q4_d1, -q4_d1, sign_tie, f16_ties, -f16_ties, zeros]))
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "F16", "F32"])
+def test_quantization_matches_llama_cpps_gguf_py_byte_for_byte(llama_gguf, name):
+    data = _data_with_ties(np.random.default_rng(11))
+    ours = gguf.quantize(data, GGMLType[name])
+    reference = llama_gguf.quants.quantize(data, llama_gguf.GGMLQuantizationType[name])
+    reference = np.ascontiguousarray(reference).view(np.uint8).reshape(-1)
+    assert ours.shape == reference.shape
+    differ = np.count_nonzero(ours != reference)
+    assert differ == 0, f"{name}: {differ} of {ours.size} bytes differ from gguf-py's (ggml's reference)"
+
+
+def test_q8_0_rounds_halves_away_from_zero():
+    x = np.arange(-15.5, 16.5, 1.0, dtype=np.float32)
+    x[0] = -127.0  # d = 1
+    q = np.frombuffer(gguf.quantize_q8_0(x)[0, 2:].tobytes(), dtype=np.int8)
+    assert list(q[1:4]) == [-15, -14, -13]  # -14.5 -> -15, -13.5 -> -14, -12.5 -> -13
+    assert list(q[15:18]) == [-1, 1, 2]  # -0.5 -> -1, 0.5 -> 1, 1.5 -> 2

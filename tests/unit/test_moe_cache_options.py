@@ -16,17 +16,37 @@ DEFAULTS = {
     "moe_cache_admit_misses": 2,
     "moe_cache_admit_window": 16,
     "moe_cache_max_uploads": 2,
+    "moe_cache_headroom_mib": 512,
 }
 
+# llama.cpp's LLAMA_ARG_<FLAG> names, as llama-server takes them
 ENV = {
-    "moe_cache_slots": "LLAMA_ARG_MOE_HOT_K",
+    "moe_cache_slots": "LLAMA_ARG_MOE_CACHE_SLOTS",
     "moe_cache_size_mib": "LLAMA_ARG_MOE_CACHE_SIZE",
     "moe_cache_policy": "LLAMA_ARG_MOE_CACHE_POLICY",
-    "moe_cache_rebalance_interval": "LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",
-    "moe_cache_max_batch": "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",
+    "moe_cache_rebalance_interval": "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL",
+    "moe_cache_max_batch": "LLAMA_ARG_MOE_CACHE_MAX_BATCH",
     "moe_cache_admit_misses": "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES",
     "moe_cache_admit_window": "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW",
     "moe_cache_max_uploads": "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS",
+    "moe_cache_headroom_mib": "LLAMA_ARG_MOE_CACHE_HEADROOM",
+}
+# the older names, still read when the new one is unset
+ALIASES = {
+    "moe_cache_slots": "LLAMA_ARG_MOE_HOT_K",
+    "moe_cache_rebalance_interval": "LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",
+    "moe_cache_max_batch": "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",
+}
+FLAGS = {
+    "moe_cache_slots": "--moe-cache-slots",
+    "moe_cache_size_mib": "--moe-cache-size",
+    "moe_cache_policy": "--moe-cache-policy",
+    "moe_cache_rebalance_interval": "--moe-cache-rebalance-interval",
+    "moe_cache_max_batch": "--moe-cache-max-batch",
+    "moe_cache_admit_misses": "--moe-cache-admit-misses",
+    "moe_cache_admit_window": "--moe-cache-admit-window",
+    "moe_cache_max_uploads": "--moe-cache-max-uploads",
+    "moe_cache_headroom_mib": "--moe-cache-headroom",
 }
 
 
@@ -37,28 +57,35 @@ def test_defaults_without_arguments_or_environment():
     assert api._moe_cache_options({name: None for name in DEFAULTS}, {}) == DEFAULTS
 
 
-def test_every_option_has_its_environment_variable():
-    assert {name: spec[0] for name, spec in api.MOE_CACHE_OPTIONS.items()} == ENV
+def test_every_option_has_its_environment_variable_aliases_and_flag():
+    assert {name: o.env for name, o in api.MOE_CACHE_OPTIONS.items()} == ENV
+    assert {name: o.aliases for name, o in api.MOE_CACHE_OPTIONS.items() if o.aliases} == \
+        {name: (alias,) for name, alias in ALIASES.items()}
+    assert {name: o.flag for name, o in api.MOE_CACHE_OPTIONS.items()} == FLAGS
+    for name, o in api.MOE_CACHE_OPTIONS.items():
+        # llama.cpp's scheme: the flag's name, upper case, after LLAMA_ARG_
+        assert o.env == "LLAMA_ARG_" + o.flag.lstrip("-").replace("-", "_").upper(), name
 
 
 def test_os_environ_is_the_default_environment(monkeypatch):
-    for var in ENV.values():
+    for var in (*ENV.values(), *ALIASES.values()):
         monkeypatch.delenv(var, raising=False)
     assert api._moe_cache_options({}) == DEFAULTS
-    monkeypatch.setenv("LLAMA_ARG_MOE_HOT_K", "12")
+    monkeypatch.setenv("LLAMA_ARG_MOE_CACHE_SLOTS", "12")
     assert api._moe_cache_options({})["moe_cache_slots"] == 12
 
 
 def test_environment_gives_the_defaults():
     env = {
-        "LLAMA_ARG_MOE_HOT_K": "16",
+        "LLAMA_ARG_MOE_CACHE_SLOTS": "16",
         "LLAMA_ARG_MOE_CACHE_SIZE": "2048",
         "LLAMA_ARG_MOE_CACHE_POLICY": "lru",
-        "LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL": "100",
-        "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS": "32",
+        "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL": "100",
+        "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "32",
         "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES": "3",
         "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW": "64",
         "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS": "4",
+        "LLAMA_ARG_MOE_CACHE_HEADROOM": "1024",
     }
     assert api._moe_cache_options({}, env) == {
         "moe_cache_slots": 16,
@@ -69,11 +96,12 @@ def test_environment_gives_the_defaults():
         "moe_cache_admit_misses": 3,
         "moe_cache_admit_window": 64,
         "moe_cache_max_uploads": 4,
+        "moe_cache_headroom_mib": 1024,
     }
 
 
 def test_arguments_win_over_the_environment():
-    env = {"LLAMA_ARG_MOE_HOT_K": "16", "LLAMA_ARG_MOE_CACHE_POLICY": "lru", "LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS": "4"}
+    env = {"LLAMA_ARG_MOE_CACHE_SLOTS": "16", "LLAMA_ARG_MOE_CACHE_POLICY": "lru", "LLAMA_ARG_MOE_CACHE_MAX_BATCH": "4"}
     got = api._moe_cache_options({"moe_cache_slots": 0, "moe_cache_policy": "freq", "moe_cache_max_batch": None}, env)
     assert got["moe_cache_slots"] == 0  # an explicit 0 is passed, not "unset"
     assert got["moe_cache_policy"] == "freq"
@@ -81,19 +109,20 @@ def test_arguments_win_over_the_environment():
 
 
 def test_an_argument_wins_even_over_a_bad_environment_value():
-    got = api._moe_cache_options({"moe_cache_slots": 3}, {"LLAMA_ARG_MOE_HOT_K": "lots"})
+    got = api._moe_cache_options({"moe_cache_slots": 3}, {"LLAMA_ARG_MOE_CACHE_SLOTS": "lots",
+                                                          "LLAMA_ARG_MOE_HOT_K": "lots"})
     assert got["moe_cache_slots"] == 3
 
 
 def test_empty_environment_values_count_as_unset():
-    env = {var: "" for var in ENV.values()}
-    env["LLAMA_ARG_MOE_HOT_K"] = "   "
+    env = {var: "" for var in (*ENV.values(), *ALIASES.values())}
+    env["LLAMA_ARG_MOE_CACHE_SLOTS"] = "   "
     assert api._moe_cache_options({}, env) == DEFAULTS
 
 
 def test_environment_numbers_may_have_spaces_and_signs():
-    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_HOT_K": " 8\n"})["moe_cache_slots"] == 8
-    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_HOT_K": "+8"})["moe_cache_slots"] == 8
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_CACHE_SLOTS": " 8\n"})["moe_cache_slots"] == 8
+    assert api._moe_cache_options({}, {"LLAMA_ARG_MOE_CACHE_SLOTS": "+8"})["moe_cache_slots"] == 8
 
 
 @pytest.mark.parametrize("value", ["freq", "lru"])
@@ -188,15 +217,50 @@ def test_bad_environment_values_name_the_variable(name, bad):
     assert f"environment variable {var}" in msg and name in msg and repr(bad) in msg
 
 
+# --- the older variable names ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_the_primary_name_sets_the_option(name):
+    value = DEFAULTS[name] + 3
+    assert api._moe_cache_options({}, {ENV[name]: str(value)})[name] == value
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_an_old_name_alone_still_sets_the_option(name):
+    value = DEFAULTS[name] + 3
+    assert api._moe_cache_options({}, {ALIASES[name]: str(value)})[name] == value
+    # a blank new name counts as unset, so the old one still decides
+    assert api._moe_cache_options({}, {ENV[name]: " ", ALIASES[name]: str(value)})[name] == value
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_the_primary_name_wins_over_the_old_one(name):
+    primary, old = DEFAULTS[name] + 1, DEFAULTS[name] + 2
+    env = {ENV[name]: str(primary), ALIASES[name]: str(old)}
+    assert api._moe_cache_options({}, env)[name] == primary
+    # the old name is not read at all then, not even checked
+    assert api._moe_cache_options({}, {ENV[name]: str(primary), ALIASES[name]: "bad"})[name] == primary
+
+
+@pytest.mark.parametrize("name", list(ALIASES))
+def test_a_bad_value_under_an_old_name_names_that_name(name):
+    with pytest.raises(ValueError) as e:
+        api._moe_cache_options({}, {ALIASES[name]: "bad"})
+    msg = str(e.value)
+    assert f"environment variable {ALIASES[name]}" in msg and ENV[name] in msg and name in msg and "'bad'" in msg
+
+
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="moe_cache_slot"):
         api._moe_cache_options({"moe_cache_slot": 4}, {})
 
 
 def test_environment_mapping_is_not_modified():
-    env = {"LLAMA_ARG_MOE_HOT_K": "4"}
+    env = {"LLAMA_ARG_MOE_CACHE_SLOTS": "4", "LLAMA_ARG_MOE_HOT_K": "5"}
     api._moe_cache_options({"moe_cache_slots": 2}, env)
-    assert env == {"LLAMA_ARG_MOE_HOT_K": "4"}
+    api._moe_cache_options({}, env)
+    assert env == {"LLAMA_ARG_MOE_CACHE_SLOTS": "4", "LLAMA_ARG_MOE_HOT_K": "5"}
 
 
 # --- Context checks the options before it reaches the native module ---------------------------
@@ -213,7 +277,7 @@ def no_native(monkeypatch):
         raise AssertionError("the native module was reached before the options were checked")
 
     monkeypatch.setattr(api, "_core", boom)
-    for var in ENV.values():
+    for var in (*ENV.values(), *ALIASES.values()):
         monkeypatch.delenv(var, raising=False)
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -125,7 +130,8 @@ def test_demo_makes_the_model_once_and_serves_it_on_loopback(tmp_path, monkeypat
     assert server.main(["--demo", "-t", "2"]) == 0
     assert server.main(["--demo", "--port", "9123", "--host", "0.0.0.0"]) == 0
     assert made == [("demo", 0)]  # cached: made once
-    model = str(tmp_path / "models" / "demo-seed0.gguf")
+    model = str(server.demo_model_path())
+    assert model.startswith(str(tmp_path / "models"))
 
     cmd, ready = runs[0]
     assert ready == "http://127.0.0.1:8080"
@@ -145,9 +151,70 @@ def test_demo_makes_the_model_once_and_serves_it_on_loopback(tmp_path, monkeypat
     assert "SYNTHETIC" in err and "gibberish" in err
 
 
+def test_a_demo_model_of_an_older_generator_is_not_reused(tmp_path, monkeypatch):
+    import moecache.synth
+
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
+    old = server.demo_model_path()
+    old.parent.mkdir(parents=True)
+    old.write_bytes(b"GGUF" + b"\0" * 60)  # what the current generator cached
+    monkeypatch.setattr(moecache.synth, "SYNTH_VERSION", moecache.synth.SYNTH_VERSION + 1)
+    made = []
+
+    def fake_write_model(path, preset, seed, **kw):
+        made.append(Path(path))
+        Path(path).write_bytes(b"GGUF" + b"\0" * 60)
+        return path
+
+    monkeypatch.setattr(moecache.synth, "write_model", fake_write_model)
+    monkeypatch.setattr(server, "_server_binary", lambda: "llama-server")
+    monkeypatch.setattr(server, "cuda_devices", lambda exe: [])
+    runs = []
+    monkeypatch.setattr(server, "run_forwarding", lambda cmd, env=None, ready_url=None: runs.append(cmd) or 0)
+    assert server.main(["--demo"]) == 0
+    assert made == [server.demo_model_path()] and made[0] != old  # the newer generator makes its own
+    assert runs[0][runs[0].index("-m") + 1] == str(made[0])
+
+
 def test_run_forwarding_returns_the_exit_code():
     assert server.run_forwarding(["sh", "-c", "exit 3"]) == 3
     assert server.run_forwarding(["sh", "-c", "kill -TERM $$"]) == 128 + 15
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's prctl")
+def test_run_forwarding_child_dies_with_a_killed_parent(subprocess_env, tmp_path):
+    # the child writes its pid, then waits on a signal; the parent is SIGKILLed: nothing is forwarded
+    pid_file = tmp_path / "child.pid"
+    child_script = f"import os, signal; open({str(pid_file)!r}, 'w').write(str(os.getpid())); signal.pause()"
+    parent_script = ("import sys; from moecache.server import run_forwarding; "
+                     f"run_forwarding([sys.executable, '-c', {child_script!r}])")
+    parent = subprocess.Popen([sys.executable, "-c", parent_script], env=subprocess_env)
+    child = None
+    try:
+        deadline = time.monotonic() + 60  # a bound on Python's start-up, not a target
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), f"the child (pid {child}) outlived its SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (an orphan's zombie waits for its new parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def test_help_lists_our_flags_and_says_all_llama_server_flags_pass(monkeypatch, capsys):
@@ -170,11 +237,11 @@ def demo_runs(tmp_path, monkeypatch):
     """main(["--demo", ...]) with a fake model, a fake binary and no process: the runs it asked for
     as (cmd, env, ready_url); set `cuda` on the returned list to fake the device list."""
     monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
-    model = tmp_path / "models" / "demo-seed0.gguf"
+    model = server.demo_model_path()
     model.parent.mkdir(parents=True)
     model.write_bytes(b"GGUF" + b"\0" * 60)
     for var in (*server.CACHE_SIZE_ENV, *server.EXPERT_PLACEMENT_ENV, *server.REPACK_ENV, *server.METRICS_ENV,
-                server.HOST_DEVICE_ENV):
+                *server.MODEL_ENV, *server.HOST_ENV, *server.PORT_ENV, *server.CTX_ENV, server.HOST_DEVICE_ENV):
         monkeypatch.delenv(var, raising=False)
 
     class Runs(list):
@@ -253,16 +320,68 @@ def test_the_users_own_flags_win(demo_runs, user, absent):
 
 
 @pytest.mark.parametrize("var, value, absent", [
-    ("LLAMA_ARG_MOE_HOT_K", "4", "--moe-cache-slots"),
+    ("LLAMA_ARG_MOE_CACHE_SLOTS", "4", "--moe-cache-slots"),
+    ("LLAMA_ARG_MOE_HOT_K", "4", "--moe-cache-slots"),  # the old name of LLAMA_ARG_MOE_CACHE_SLOTS
     ("LLAMA_ARG_MOE_CACHE_SIZE", "256", "--moe-cache-slots"),
     ("LLAMA_ARG_N_CPU_MOE", "2", "--cpu-moe"),
+    ("LLAMA_ARG_CPU_MOE", "1", "--cpu-moe"),
+    ("LLAMA_ARG_OVERRIDE_TENSOR", "exps=CPU", "--cpu-moe"),
     ("LLAMA_ARG_REPACK", "1", "--no-repack"),
+    ("LLAMA_ARG_NO_REPACK", "1", "--no-repack"),
+    ("LLAMA_ARG_ENDPOINT_METRICS", "1", "--metrics"),
+    ("LLAMA_ARG_HOST", "127.0.0.2", "--host"),
+    ("LLAMA_ARG_PORT", "9555", "--port"),
+    ("LLAMA_ARG_CTX_SIZE", "1024", "-c"),
 ])
 def test_the_users_environment_wins(demo_runs, monkeypatch, var, value, absent):
     monkeypatch.setenv(var, value)
     assert server.main(["--demo"]) == 0
     [(cmd, _, _)] = demo_runs
-    assert absent not in cmd
+    assert absent not in cmd, cmd
+
+
+def test_the_demo_adds_its_listen_and_context_flags_when_nothing_decides_them(demo_runs):
+    assert server.main(["--demo"]) == 0
+    [(cmd, _, ready)] = demo_runs
+    assert (_flag_value(cmd, "--host"), _flag_value(cmd, "--port"), _flag_value(cmd, "-c")) == \
+        (server.DEFAULT_HOST, str(server.DEFAULT_PORT), str(server.DEMO_CTX))
+    assert ready == f"http://{server.DEFAULT_HOST}:{server.DEFAULT_PORT}"
+
+
+def test_the_banner_and_ready_url_show_the_port_and_host_of_the_environment(demo_runs, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_ARG_PORT", "9555")
+    monkeypatch.setenv("LLAMA_ARG_HOST", "0.0.0.0")
+    assert server.main(["--demo"]) == 0
+    [(cmd, _, ready)] = demo_runs
+    assert "--port" not in cmd and "--host" not in cmd
+    assert ready == "http://127.0.0.1:9555"  # all addresses: polled on loopback
+    err = capsys.readouterr().err
+    assert "URL:   http://0.0.0.0:9555 " in err and "http://0.0.0.0:9555/moe-cache" in err
+    assert ":8080" not in err
+
+
+def test_flags_win_over_the_environment_in_the_banner_too(demo_runs, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_ARG_PORT", "9555")
+    assert server.main(["--demo", "--port", "9556"]) == 0  # llama-server: a flag overrides its variable
+    [(cmd, _, ready)] = demo_runs
+    assert cmd.count("--port") == 1 and _flag_value(cmd, "--port") == "9556"
+    assert ready.endswith(":9556")
+    assert "9555" not in capsys.readouterr().err
+
+
+def test_a_host_list_is_polled_on_its_first_address(demo_runs, monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_HOST", "127.0.0.3, 127.0.0.4")
+    assert server.main(["--demo"]) == 0
+    [(_, _, ready)] = demo_runs
+    assert ready == f"http://127.0.0.3:{server.DEFAULT_PORT}"
+
+
+def test_demo_with_a_model_in_the_environment_is_a_usage_error(demo_runs, monkeypatch, capsys):
+    monkeypatch.setenv("LLAMA_ARG_MODEL", "mine.gguf")
+    assert server.main(["--demo"]) == 2
+    assert demo_runs == []
+    err = capsys.readouterr().err
+    assert "LLAMA_ARG_MODEL" in err and "mine.gguf" in err and "Fix" in err
 
 
 def test_a_host_device_setting_of_the_user_is_kept(demo_runs, monkeypatch):

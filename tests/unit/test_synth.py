@@ -411,3 +411,38 @@ def test_cli_writes_refuses_overwrite_and_reports_stats(tmp_path, vocab_path, ca
     assert "no such model file" in capsys.readouterr().err
     assert synth.main(["--list-presets"]) == 0
     assert "qwen3-30b-a3b" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- cached model files
+
+
+def test_cached_model_names_carry_the_generator_version(tmp_path, monkeypatch):
+    from moecache import server
+    from moecache.bench import ModelSpec, runner
+
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path))
+
+    def every_cached_path():
+        return {
+            "bench": runner.synth_cache_path(ModelSpec(synth="qwen3-30b-a3b", quant="q4_0", seed=0)),
+            "bench default quant": runner.synth_cache_path(ModelSpec(synth="tiny")),
+            "demo": server.demo_model_path(),
+        }
+
+    now = every_cached_path()
+    for where, path in now.items():
+        assert path.parent == tmp_path / "models", where
+        assert f"synth-v{synth.SYNTH_VERSION}" in path.name, where
+    assert now["bench"].name == synth.cached_model_name("qwen3-30b-a3b", "q4_0", 0)
+    # the default quant is spelled out, so { synth = "tiny" } and quant = "q8_0" share one file
+    assert now["bench default quant"].name == synth.cached_model_name("tiny", synth.DEFAULT_QUANT, 0)
+    monkeypatch.setattr(synth, "SYNTH_VERSION", synth.SYNTH_VERSION + 1)
+    newer = every_cached_path()
+    for where in now:
+        assert newer[where] != now[where], where  # a newer generator never reuses an older file
+
+
+def test_the_test_models_are_cached_under_the_versioned_name(tiny_model):
+    assert tiny_model.name == synth.cached_model_name("tiny", seed=0)
+    with GGUFReader(tiny_model) as r:
+        assert r["moecache.synth.version"] == synth.SYNTH_VERSION

@@ -4,8 +4,9 @@ Every arm of the scenario runs in one invocation, each against its own freshly s
 so the ratio of each arm to the baseline (stock path) arm is measured side by side. Each
 concurrency level of the scenario's `users` sends that many identical requests at once and adds
 the aggregate throughput; the server's speculation counters (drafted, accepted, steps off) are kept
-where it reports them. Results go to <out>/<YYYY-MM-DD>-<scenario>.md and .json with hardware,
-commits, model and server args. The scenario format is described in moecache.bench.scenario.
+where it reports them. Results go to <out>/<YYYY-MM-DD>-<scenario>.md and .json (a later run on the
+same day: -2, -3, ...; never over an earlier run) with hardware, commits, model and server args.
+The scenario format is described in moecache.bench.scenario.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def default_out_dir(scenario_path: Path) -> Path:
     return Path.cwd() / "benchmarks" / "results"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="moecache bench",
+        prog=prog,
         description="Run a benchmark scenario (a TOML file, see benchmarks/README.md): each arm against its "
                     "own llama-server on 127.0.0.1, real-text prompts (optionally in a template), prefill t/s, "
                     "time to first token, decode t/s and aggregate t/s at each concurrency level of `users` "
@@ -58,8 +59,8 @@ def _terminate_as_exit(signum, _frame):
     raise KeyboardInterrupt
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "moecache bench") -> int:
+    args = build_parser(prog).parse_args(argv)
     on_main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, _terminate_as_exit) if on_main else None
     try:

@@ -261,12 +261,14 @@ def render_markdown(run: dict) -> str:
             "The hot-expert cache's counters over all of an arm's requests (warm-ups included), read from "
             "the server's `/moe-cache` after its last request: the share of routed (token, expert) pairs "
             "that a slot served (overall and over the last 256 tokens), experts uploaded into slots and "
-            "the evictions among them, the slots per cached layer, the memory of the slot banks and the "
-            "longest time a decode step spent in the cache's bookkeeping.",
+            "the evictions among them, the slots per cached layer, the memory of the slot banks, the "
+            "longest time a decode step spent in the cache's bookkeeping, and the batches that ran through "
+            "the cache or bypassed it for having more tokens than its max batch (prompts, and verify "
+            "batches that did not fit).",
             "",
             "| arm | hit rate | recent hit rate | uploads | uploaded MiB | evictions | slots/layer | cache MiB "
-            "| max step ms |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| max step ms | batches cached | bypassed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for a in cached:
             c = a["moe_cache"]
@@ -275,7 +277,8 @@ def render_markdown(run: dict) -> str:
                 f"| {_md_cell(a['name'])} | {_fmt_rate(c.get('hit_rate'))} | {_fmt_rate(c.get('hit_rate_recent'))} "
                 f"| {_fmt_count(c.get('uploads'))} | {_fmt_mib(c.get('bytes_uploaded'))} "
                 f"| {_fmt_count(c.get('evictions'))} | {_fmt_count(c.get('n_slots'))} "
-                f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if step is None else f'{step:.2f}'} |")
+                f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if step is None else f'{step:.2f}'} "
+                f"| {_fmt_count(c.get('batches_cached'))} | {_fmt_count(c.get('batches_bypassed'))} |")
     lines += [
         "",
         "## Results",
@@ -357,15 +360,37 @@ def render_markdown(run: dict) -> str:
     return "\n".join(lines)
 
 
-def result_paths(out_dir: Path, date: str, name: str) -> tuple[Path, Path]:
-    stem = f"{date}-{name}"
+def result_paths(out_dir: Path, date: str, name: str, number: int = 1) -> tuple[Path, Path]:
+    """The .md and .json of the `number`-th run of a scenario on a date: <date>-<name>.md for the
+    first, <date>-<name>-2.md for the second, and so on."""
+    stem = f"{date}-{name}" + (f"-{number}" if number > 1 else "")
     return out_dir / f"{stem}.md", out_dir / f"{stem}.json"
 
 
-def write_results(run: dict, out_dir: str | Path) -> tuple[Path, Path]:
+def new_result_paths(out_dir: Path, date: str, name: str) -> tuple[Path, Path]:
+    """The files of a new run: the first number whose .md and .json do not exist yet. The .md is
+    created empty at once, so a run started at the same moment takes the next number."""
+    number = 1
+    while True:
+        md, js = result_paths(out_dir, date, name, number)
+        if not js.exists():
+            try:
+                md.open("x").close()
+                if not js.exists():
+                    return md, js
+                md.unlink()  # the .json appeared meanwhile: that number is taken
+            except FileExistsError:
+                pass
+        number += 1
+
+
+def write_results(run: dict, out_dir: str | Path, paths: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+    """Write a run's .md and .json and return their paths. Without `paths` the run gets files of
+    its own (an earlier run of the same day is never overwritten); pass the paths a first call
+    returned to rewrite the same run's files (the partial results after every arm)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = result_paths(out_dir, run["date"], run["scenario"]["name"])
+    md, js = paths if paths is not None else new_result_paths(out_dir, run["date"], run["scenario"]["name"])
     md.write_text(render_markdown(run))
     js.write_text(json.dumps(run, indent=2, sort_keys=False) + "\n")
     return md, js

@@ -28,9 +28,9 @@ class BenchError(RuntimeError):
 
 
 def synth_cache_path(spec: ModelSpec) -> Path:
-    from ..orchestrator.upstream import cache_dir
+    from ..synth import cached_model_path
 
-    return cache_dir() / "models" / f"{spec.synth}-{spec.quant or 'default'}-seed{spec.seed}.gguf"
+    return cached_model_path(spec.synth, spec.quant, spec.seed)
 
 
 def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: TextIO | None = None
@@ -339,7 +339,7 @@ def server_n_ctx(srv: ServerProcess) -> int | None:
 
 # the hot-expert cache's totals that a run records per arm (from the server's GET /moe-cache)
 MOE_CACHE_FIELDS = ("hit_rate", "hit_rate_recent", "uploads", "bytes_uploaded", "evictions", "step_ms_max",
-                    "n_slots", "bytes_vram")
+                    "n_slots", "bytes_vram", "batches_cached", "batches_bypassed")
 
 
 def moe_cache_summary(body: object) -> dict | None:
@@ -353,6 +353,8 @@ def moe_cache_summary(body: object) -> dict | None:
     out = {}
     for name in MOE_CACHE_FIELDS:
         value = next((p[name] for p in places if p.get(name) is not None), None)
+        if name == "batches_bypassed" and isinstance(value, dict):
+            value = value.get("batch")  # batches over the cache's max batch (the warm-up is its own reason)
         out[name] = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return out
 
@@ -486,6 +488,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
 
     prompts = PromptTokens()
     any_failed = False
+    paths = None  # this run's result files, chosen at its first write
     for ai, (arm, srv, rec) in enumerate(zip(sc.arms, servers, run["arms"])):
         say(f"[{ai + 1}/{len(sc.arms)}] arm '{arm.name}'{' (baseline)' if arm.baseline else ''}: starting "
             f"llama-server {' '.join(shlex.quote(x) for x in rec['server_args'])}")
@@ -581,13 +584,13 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             # results so far after every arm: a run cut short (a time limit, a lost machine) keeps them
             add_ratios(run["results"], sc.baseline.name)
             run["partial"] = f"{ai + 1} of {len(sc.arms)} arms"
-            write_results(run, out_dir)
+            paths = write_results(run, out_dir, paths)  # this run's own files, kept from the first write
 
     run.pop("partial", None)
     add_ratios(run["results"], sc.baseline.name)
     run["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     run["ok"] = not any_failed
-    paths = write_results(run, out_dir) if out_dir is not None else None
+    paths = write_results(run, out_dir, paths) if out_dir is not None else None
     if paths:
         say(f"results: {paths[0]}\n         {paths[1]}")
     return run, paths

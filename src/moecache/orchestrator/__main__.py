@@ -25,8 +25,8 @@ from . import series, upstream
 from .upstream import BuildError
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moecache-build", description=__doc__,
+def build_parser(prog: str = "moecache-build") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repo", help="the moecache checkout (default: found from the current folder, or MOECACHE_REPO)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only errors")
@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "moecache-build") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         if args.command == "fetch":
             tree = upstream.pristine_tree(quiet=args.quiet)
