@@ -74,8 +74,10 @@ def test_stats_include_the_last_token(model, monkeypatch):
     for k, v in HOST.items():
         monkeypatch.setenv(k, v)
     ctx = model.context(n_ctx=512, n_batch=64, n_ubatch=64, n_threads=2, moe_cache_slots=8)
-    g = ctx.generate("def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n", max_tokens=20)
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"
+    a = ctx.generate(prompt, max_tokens=20)
+    b = ctx.generate(prompt * 2, max_tokens=12)  # clears the memory first: a's last tokens must stay counted
     st = ctx.expert_cache.stats()
-    # the prompt (more than 8 tokens) bypasses the cache; every generated token but the last is fed to
-    # a decode, and stats() commits the last decode
-    assert st["n_tokens"] == len(g.tokens) - 1, (st["n_tokens"], len(g.tokens))
+    # the prompts (more than 8 tokens) bypass the cache; every generated token but the last is fed to
+    # a decode, and each generation commits its last decode
+    assert st["n_tokens"] == len(a.tokens) - 1 + len(b.tokens) - 1, (st["n_tokens"], len(a.tokens), len(b.tokens))

@@ -724,6 +724,9 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
         }
     }
     r.decode_s = std::chrono::duration<double>(clock::now() - t1).count();
+    // every token of this generation is accepted: commit the last decode's routing now, before the next
+    // generation clears the memory (which would make the cache count those tokens as rolled back)
+    llama_moe_cache_flush(c.ctx);
     return r;
 }
 
