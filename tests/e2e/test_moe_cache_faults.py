@@ -4,7 +4,7 @@ with the stock path's output; the banks are sized after the context; the library
 parameters; the stats count what really ran; the routing trace survives a sleep; a device without
 skip ids (RPC) is refused; drafts of several users share the batch the cache can take.
 
-Fault injection: LLAMA_MOE_CACHE_FAIL names the step that fails (alloc, upload[:N]; staging needs a
+Fault injection: LLAMA_MOE_CACHE_FAIL names the step that fails (alloc, reserve, upload[:N]; staging needs a
 device with pinned host memory: tests/gpu).
 """
 
@@ -49,6 +49,20 @@ def test_failed_bank_allocation_leaves_the_stock_path(tiny_model, stock):
     assert all(layer["reason"] == "allocation failed" for layer in st["layers"])
     assert_same_greedy(stock, outs, exact=True)  # no split at all: the stock graphs
     assert again["tokens"] == stock[0]["tokens"]
+
+
+def test_banks_that_leave_too_little_for_the_compute_buffers_give_way(tiny_model, stock):
+    """The reservation with the split graphs fails (injected): the cache steps back and the context
+    is made with the stock graphs, instead of failing to start."""
+    env = {**HOST, "LLAMA_MOE_CACHE_FAIL": "reserve"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + FULL, env=env, timeout=120) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+        log = srv.log_text()
+    assert "with the hot-expert cache: the cache is off" in log
+    assert st["enabled"] is False
+    assert all(layer["reason"] == "the compute buffers did not fit beside the banks" for layer in st["layers"])
+    assert_same_greedy(stock, outs, exact=True)
 
 
 @pytest.mark.parametrize("which", ["upload:1", "upload:5", "upload"])
@@ -247,3 +261,14 @@ def test_with_a_lora_the_stats_count_no_hits(tiny_model, stock, tmp_path):
     assert st["uploads"] > 0 and st["n_resident"] > 0
     assert st["hits"] == 0 and st["misses"] == st["n_tokens"] * N_USED * N_LAYER > 0, st
     assert_same_greedy(stock, outs, exact=False)
+
+
+@pytest.mark.parametrize("env,slots", [
+    ({"LLAMA_ARG_MOE_HOT_K": "4"}, 4),                                   # the public fork's name alone
+    ({"LLAMA_ARG_MOE_CACHE_SLOTS": "6", "LLAMA_ARG_MOE_HOT_K": "4"}, 6),  # the LLAMA_ARG_<FLAG> name wins
+    ({"LLAMA_ARG_MOE_CACHE_SLOTS": "", "LLAMA_ARG_MOE_HOT_K": "4"}, 4),   # a blank one does not hide the old name
+])
+def test_server_reads_the_cache_variables_and_their_old_names(tiny_model, env, slots):
+    with ServerProcess(tiny_model, args=BASE_ARGS, env={**HOST, **env}, timeout=120) as srv:
+        st = cache_stats(srv)
+    assert st["enabled"] is True and st["n_slots"] == slots, st
