@@ -3,7 +3,6 @@ can check, the stats of the last token. The tiny synthetic model on the CPU."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

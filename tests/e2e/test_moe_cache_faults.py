@@ -10,7 +10,6 @@ device with pinned host memory: tests/gpu).
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
