@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 from .api import (  # noqa: E402  (pure Python: the native module loads on first use)
     Context,
     ExpertCache,
+    PrefillSwap,
     Generation,
     Model,
     ModelLoadError,
@@ -31,6 +32,7 @@ from .api import (  # noqa: E402  (pure Python: the native module loads on first
 __all__ = [
     "Context",
     "ExpertCache",
+    "PrefillSwap",
     "Generation",
     "Model",
     "ModelLoadError",

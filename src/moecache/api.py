@@ -215,13 +215,18 @@ FLASH_ATTN_VALUES = ("auto", "on", "off")
 #
 
 MOE_CACHE_POLICIES = ("freq", "lru")
+PREFILL_SWAP_MODES = ("transaction", "bypass")
 _INT32_MAX = 2**31 - 1
+_TRUE_WORDS = ("on", "enabled", "true", "1")    # as llama.cpp's is_truthy / is_falsey
+_FALSE_WORDS = ("off", "disabled", "false", "0")
+
 
 @dataclass(frozen=True)
-class MoeCacheOption:
-    """One hot-expert cache option as llama-server and the Python API both take it: the flag, its
-    environment variable (llama.cpp's LLAMA_ARG_<FLAG> scheme), the older names that still set it
-    (read only when `env` is unset: the new name wins), the default, the integer range and what it is."""
+class FeatureOption:
+    """One option as llama-server and the Python API both take it: the flag, its environment
+    variable (llama.cpp's LLAMA_ARG_<FLAG> scheme), the older names that still set it (read only
+    when `env` is unset: the new name wins), the default, the integer range (or the words it takes,
+    or a boolean) and what it is."""
 
     flag: str
     env: str
@@ -230,6 +235,8 @@ class MoeCacheOption:
     minimum: int | None
     maximum: int | None
     what: str
+    choices: tuple[str, ...] = ()  # a word option: one of these, spelled exactly so
+    boolean: bool = False
 
     @property
     def env_names(self) -> tuple[str, ...]:
@@ -248,34 +255,53 @@ class MoeCacheOption:
         return f"environment variable {var}" + (f" (the old name of {self.env})" if var != self.env else "")
 
 
+MoeCacheOption = FeatureOption  # the name of the first feature's table entries
+
 # Python argument -> its option: the one place that maps the cache's flags, variables and arguments
-MOE_CACHE_OPTIONS: dict[str, MoeCacheOption] = {
-    "moe_cache_slots": MoeCacheOption(
+MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
+    "moe_cache_slots": FeatureOption(
         "--moe-cache-slots", "LLAMA_ARG_MOE_CACHE_SLOTS", ("LLAMA_ARG_MOE_HOT_K",), 0, 0, _INT32_MAX,
         "slots per cached layer (0 = off unless moe_cache_size_mib is set)"),
-    "moe_cache_size_mib": MoeCacheOption(
+    "moe_cache_size_mib": FeatureOption(
         "--moe-cache-size", "LLAMA_ARG_MOE_CACHE_SIZE", (), 0, 0, _INT32_MAX,
         "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
-    "moe_cache_policy": MoeCacheOption(
-        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None, "'freq' or 'lru'"),
-    "moe_cache_rebalance_interval": MoeCacheOption(
+    "moe_cache_policy": FeatureOption(
+        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None, "'freq' or 'lru'",
+        choices=MOE_CACHE_POLICIES),
+    "moe_cache_rebalance_interval": FeatureOption(
         "--moe-cache-rebalance-interval", "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL",
         ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",), 40, 1, _INT32_MAX, "freq policy: tokens between rebalances"),
-    "moe_cache_max_batch": MoeCacheOption(
+    "moe_cache_max_batch": FeatureOption(
         "--moe-cache-max-batch", "LLAMA_ARG_MOE_CACHE_MAX_BATCH", ("LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",), 8, 1, 64,
         "batches of up to this many tokens use the cache"),
-    "moe_cache_admit_misses": MoeCacheOption(
+    "moe_cache_admit_misses": FeatureOption(
         "--moe-cache-admit-misses", "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES", (), 2, 1, _INT32_MAX,
         "lru policy: misses within the window before an expert is uploaded"),
-    "moe_cache_admit_window": MoeCacheOption(
+    "moe_cache_admit_window": FeatureOption(
         "--moe-cache-admit-window", "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW", (), 16, 1, _INT32_MAX,
         "lru policy: the admission window in tokens"),
-    "moe_cache_max_uploads": MoeCacheOption(
+    "moe_cache_max_uploads": FeatureOption(
         "--moe-cache-max-uploads", "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", (), 2, 1, _INT32_MAX,
         "uploads per layer and step"),
-    "moe_cache_headroom_mib": MoeCacheOption(
+    "moe_cache_headroom_mib": FeatureOption(
         "--moe-cache-headroom", "LLAMA_ARG_MOE_CACHE_HEADROOM", (), 512, 0, _INT32_MAX,
         "device memory in MiB left free after the slot banks, which take what the context leaves"),
+}
+
+# the prefill-phase swap's options (the public write-up's LLAMA_PHASE_PREFILL_* names are aliases)
+PREFILL_SWAP_OPTIONS: dict[str, FeatureOption] = {
+    "prefill_ubatch": FeatureOption(
+        "--prefill-ubatch", "LLAMA_ARG_PREFILL_UBATCH", ("LLAMA_PHASE_PREFILL_UBATCH",), 0, 0, _INT32_MAX,
+        "ubatch of long prompts, at most n_batch (0 = off)"),
+    "prefill_min_tokens": FeatureOption(
+        "--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS", ("LLAMA_PHASE_PREFILL_MIN_TOKENS",), 2048, 1,
+        _INT32_MAX, "prompts of fewer tokens keep n_ubatch"),
+    "prefill_swap_mode": FeatureOption(
+        "--prefill-swap-mode", "LLAMA_ARG_PREFILL_SWAP_MODE", ("LLAMA_PHASE_PREFILL_MODE",), "transaction", None, None,
+        "'transaction' or 'bypass'", choices=PREFILL_SWAP_MODES),
+    "prefill_warm_restore": FeatureOption(
+        "--prefill-warm-restore", "LLAMA_ARG_PREFILL_WARM_RESTORE", (), True, None, None,
+        "refill the expert cache with the prompt's most-routed experts", boolean=True),
 }
 
 
@@ -285,16 +311,20 @@ def _range_text(minimum: int | None, maximum: int | None) -> str:
     return f" in [{minimum}, {maximum}]"
 
 
-def _moe_cache_policy(value, source: str) -> str:
-    """'freq' or 'lru', spelled exactly so (as llama-server's --moe-cache-policy takes them);
-    ValueError naming `source` otherwise."""
-    if isinstance(value, str) and value in MOE_CACHE_POLICIES:
+def _choice(option: FeatureOption, value, source: str) -> str:
+    """One of option.choices, spelled exactly so (as llama-server takes them); ValueError naming
+    `source` otherwise."""
+    if isinstance(value, str) and value in option.choices:
         return value
-    raise ValueError(f"{source} must be one of {', '.join(repr(p) for p in MOE_CACHE_POLICIES)} (got {value!r})")
+    raise ValueError(f"{source} must be one of {', '.join(repr(p) for p in option.choices)} (got {value!r})")
 
 
-def _moe_cache_options(kwargs=None, environ=None) -> dict:
-    """The checked hot-expert cache settings of a context, every one of MOE_CACHE_OPTIONS.
+def _moe_cache_policy(value, source: str) -> str:
+    return _choice(MOE_CACHE_OPTIONS["moe_cache_policy"], value, source)
+
+
+def _feature_options(table: dict[str, FeatureOption], feature: str, kwargs=None, environ=None) -> dict:
+    """The checked settings of one feature, every option of `table`.
 
     `kwargs` maps option names to the values a caller passed (None = not passed); an option not
     passed takes its environment variable (`environ`, default os.environ; an empty value counts as
@@ -304,31 +334,37 @@ def _moe_cache_options(kwargs=None, environ=None) -> dict:
     """
     kwargs = dict(kwargs or {})
     environ = os.environ if environ is None else environ
-    unknown = sorted(set(kwargs) - set(MOE_CACHE_OPTIONS))
+    unknown = sorted(set(kwargs) - set(table))
     if unknown:
-        raise TypeError(f"unknown expert cache option(s): {', '.join(unknown)} "
-                        f"(known: {', '.join(MOE_CACHE_OPTIONS)})")
+        raise TypeError(f"unknown {feature} option(s): {', '.join(unknown)} (known: {', '.join(table)})")
     out = {}
-    for name, option in MOE_CACHE_OPTIONS.items():
+    for name, option in table.items():
         default, minimum, maximum, what = option.default, option.minimum, option.maximum, option.what
         value = kwargs.get(name)
         found = option.from_environment(environ) if value is None else None
-        if name == "moe_cache_policy":
+        source = f"{option.describe_variable(found[0])} ({name})" if found else name
+        if option.choices:
+            out[name] = (_choice(option, value, name) if value is not None
+                         else _choice(option, found[1].strip(), source) if found else default)
+        elif option.boolean:
             if value is not None:
-                out[name] = _moe_cache_policy(value, name)
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be True or False (got {value!r})")
+                out[name] = value
             elif found:
-                var, env_value = found
-                out[name] = _moe_cache_policy(env_value.strip(), f"{option.describe_variable(var)} ({name})")
+                word = found[1].strip().lower()
+                if word not in _TRUE_WORDS + _FALSE_WORDS:
+                    raise ValueError(f"{source} must be one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)} "
+                                     f"(got {found[1]!r})")
+                out[name] = word in _TRUE_WORDS
             else:
                 out[name] = default
-            continue
-        if found:
-            var, env_value = found
-            text = env_value.strip()
+        elif found:
+            text = found[1].strip()
             number = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None  # as C's strtol: no "1_000"
             if number is None or number < minimum or (maximum is not None and number > maximum):
-                raise ValueError(f"{option.describe_variable(var)} ({name}: {what}) must be an integer"
-                                 f"{_range_text(minimum, maximum)} (got {env_value!r})")
+                raise ValueError(f"{option.describe_variable(found[0])} ({name}: {what}) must be an integer"
+                                 f"{_range_text(minimum, maximum)} (got {found[1]!r})")
             out[name] = number
         elif value is not None:
             out[name] = _check_int(name, value, minimum=minimum, maximum=maximum,
@@ -336,6 +372,16 @@ def _moe_cache_options(kwargs=None, environ=None) -> dict:
         else:
             out[name] = default
     return out
+
+
+def _moe_cache_options(kwargs=None, environ=None) -> dict:
+    """The checked hot-expert cache settings of a context (see _feature_options)."""
+    return _feature_options(MOE_CACHE_OPTIONS, "expert cache", kwargs, environ)
+
+
+def _prefill_swap_options(kwargs=None, environ=None) -> dict:
+    """The checked prefill-phase swap settings of a context (see _feature_options)."""
+    return _feature_options(PREFILL_SWAP_OPTIONS, "prefill swap", kwargs, environ)
 
 #
 # model, context, generation
@@ -484,10 +530,10 @@ class Model:
     # contexts
 
     def context(self, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512, n_threads: int | None = None,
-                flash_attn: str = "auto", **moe_cache) -> "Context":
-        """A Context of this model; `moe_cache` takes Context's moe_cache_* options."""
+                flash_attn: str = "auto", **features) -> "Context":
+        """A Context of this model; `features` takes Context's moe_cache_* and prefill_* options."""
         return Context(self, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads, flash_attn=flash_attn,
-                       **moe_cache)
+                       **features)
 
 
 class Context:
@@ -509,6 +555,15 @@ class Context:
     LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
     (0, 0, "freq", 40, 8, 2, 16, 2, 512).
     `self.expert_cache` reports and steers the cache.
+
+    Prefill-phase swap (off by default, PREFILL_SWAP_OPTIONS): with `prefill_ubatch` set (at most
+    n_batch, larger than n_ubatch), a prompt of at least `prefill_min_tokens` tokens runs at that
+    ubatch: the expert cache's slot banks, the compute buffers and the GPU pools are released for
+    it and restored before the first token is sampled (`prefill_warm_restore`: the slots are refilled
+    with the experts the prompt routed most). `prefill_swap_mode` "bypass" makes every decision and
+    keeps n_ubatch (a control arm). Environment: LLAMA_ARG_PREFILL_UBATCH, LLAMA_ARG_PREFILL_MIN_TOKENS,
+    LLAMA_ARG_PREFILL_SWAP_MODE, LLAMA_ARG_PREFILL_WARM_RESTORE (or the LLAMA_PHASE_PREFILL_* names).
+    `self.prefill_swap` holds the settings and the counters.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -517,7 +572,9 @@ class Context:
                  moe_cache_policy: str | None = None, moe_cache_rebalance_interval: int | None = None,
                  moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
                  moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None,
-                 moe_cache_headroom_mib: int | None = None):
+                 moe_cache_headroom_mib: int | None = None,
+                 prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
+                 prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -541,9 +598,15 @@ class Context:
             "moe_cache_max_uploads": moe_cache_max_uploads,
             "moe_cache_headroom_mib": moe_cache_headroom_mib,
         })
+        prefill_swap = _prefill_swap_options({
+            "prefill_ubatch": prefill_ubatch,
+            "prefill_min_tokens": prefill_min_tokens,
+            "prefill_swap_mode": prefill_swap_mode,
+            "prefill_warm_restore": prefill_warm_restore,
+        })
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                  flash_attn=flash_attn, **moe_cache)
+                                  flash_attn=flash_attn, **moe_cache, **prefill_swap)
         self.n_ctx = self._c.n_ctx
         self.n_batch = self._c.n_batch
         self.n_ubatch = self._c.n_ubatch
@@ -551,6 +614,7 @@ class Context:
         self.flash_attn = flash_attn
         self.moe_cache_options = moe_cache  # the checked settings the context was made with
         self.expert_cache = ExpertCache(self._c, model, moe_cache)
+        self.prefill_swap = PrefillSwap(self._c, prefill_swap)
         self.routing_trace_path: str | None = None  # where record_routing writes, while it does
         self.moe_layers: list[int] | None = None  # layer index of each trace_routing column, after a trace
 
@@ -636,6 +700,8 @@ class Context:
             "decode_tokens": r["decode_tokens"],
             "decode_s": decode_s,
             "decode_tps": r["decode_tokens"] / decode_s if decode_s > 0 else 0.0,
+            "prefill_ubatch": r["prefill_ubatch"],    # the ubatch the prompt ran at
+            "prefill_swap_ms": r["prefill_swap_ms"],  # the prefill-phase swap's cost, 0 without a swap
         }
         return Generation(
             tokens=list(r["tokens"]),
@@ -657,6 +723,36 @@ class Context:
         ids, layers = self._c.trace_routing(tokens)
         self.moe_layers = list(layers)
         return ids
+
+
+class PrefillSwap:
+    """The prefill-phase swap of a Context (`ctx.prefill_swap`): its settings and its counters."""
+
+    def __init__(self, native_context, options: dict):
+        self._c = native_context
+        self.options = dict(options)  # the checked settings the context was made with
+
+    @property
+    def enabled(self) -> bool:
+        """True when long prompts swap: a prefill ubatch larger than n_ubatch (llama.cpp turns a
+        smaller one off, with a log line)."""
+        return self._c.prefill_swap_stats()["n_ubatch"] > 0
+
+    def stats(self) -> dict:
+        """n_ubatch (in use, 0 = off), n_ubatch_last (of the last long prompt), swaps, skipped
+        ({"short", "others_generating", "bypass"}), failed ({"reserve", "restore", "banks", "upload"}:
+        each failure left a working context), release_ms / reserve_ms / restore_ms (the last swap),
+        total_ms, bytes_released / bytes_restored (device memory, the last swap), n_slots (the
+        cache's slots after the last restore), warm_uploads, and the expert cache's routing over the
+        first 64 decoded tokens after each restore: after_restore_tokens, _hits, _misses, _hit_rate."""
+        return dict(self._c.prefill_swap_stats())
+
+    def __repr__(self) -> str:
+        o = self.options
+        if not o["prefill_ubatch"]:
+            return "moecache.PrefillSwap(off)"
+        return (f"moecache.PrefillSwap(prefill_ubatch={o['prefill_ubatch']}, prefill_min_tokens={o['prefill_min_tokens']}, "
+                f"mode={o['prefill_swap_mode']!r}, warm_restore={o['prefill_warm_restore']})")
 
 
 class ExpertCache:

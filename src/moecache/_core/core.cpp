@@ -526,12 +526,36 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     return p;
 }
 
+static llama_prefill_swap_params make_prefill_swap_params(int n_ubatch, int min_tokens, const std::string & mode,
+                                                          bool warm_restore) {
+    if (n_ubatch < 0) {
+        throw std::invalid_argument("prefill_ubatch must be >= 0 (got " + std::to_string(n_ubatch) + ")");
+    }
+    if (min_tokens < 1) {
+        throw std::invalid_argument("prefill_min_tokens must be >= 1 (got " + std::to_string(min_tokens) + ")");
+    }
+    llama_prefill_swap_params p = llama_prefill_swap_default_params();
+    p.n_ubatch = (uint32_t) n_ubatch;
+    p.min_tokens = (uint32_t) min_tokens;
+    if (mode == "transaction") {
+        p.mode = LLAMA_PREFILL_SWAP_TRANSACTION;
+    } else if (mode == "bypass") {
+        p.mode = LLAMA_PREFILL_SWAP_BYPASS;
+    } else {
+        throw std::invalid_argument("prefill_swap_mode must be 'transaction' or 'bypass' (got '" + mode + "')");
+    }
+    p.warm_restore = warm_restore;
+    return p;
+}
+
 static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle> m, int n_ctx, int n_batch, int n_ubatch,
                                                     int n_threads, const std::string & flash_attn, int moe_cache_slots,
                                                     int moe_cache_size_mib, const std::string & moe_cache_policy,
                                                     int moe_cache_rebalance_interval, int moe_cache_max_batch,
                                                     int moe_cache_admit_misses, int moe_cache_admit_window,
-                                                    int moe_cache_max_uploads, int moe_cache_headroom_mib) {
+                                                    int moe_cache_max_uploads, int moe_cache_headroom_mib,
+                                                    int prefill_ubatch, int prefill_min_tokens,
+                                                    const std::string & prefill_swap_mode, bool prefill_warm_restore) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -562,6 +586,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
                                              moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib);
+    params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore);
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -622,6 +647,23 @@ struct generation_result {
     double prefill_s = 0.0;
     int32_t decode_tokens = 0;
     double decode_s = 0.0;
+    uint32_t prefill_ubatch = 0;  // the ubatch the prompt ran at
+    double prefill_swap_ms = 0.0; // the prefill-phase swap's release + reserve + restore, 0 without one
+};
+
+// The decode configuration comes back before the first token is sampled, also when the prompt's
+// decode throws (an interrupt, a full context)
+struct prefill_swap_scope {
+    llama_context * ctx;
+    bool active;
+    prefill_swap_scope(llama_context * ctx, int32_t n_tokens) : ctx(ctx), active(llama_prefill_swap_begin(ctx, n_tokens, 0) == 0) {}
+    void end() {
+        if (active) {
+            llama_prefill_swap_end(ctx);
+            active = false;
+        }
+    }
+    ~prefill_swap_scope() { end(); }
 };
 
 static llama_sampler * make_sampler(float temperature, uint32_t seed, int32_t top_k, float top_p) {
@@ -687,8 +729,18 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
     llama_memory_clear(llama_get_memory(c.ctx), true);
 
     const auto t0 = clock::now();
-    decode_chunks(c.ctx, c.batch, prompt.data(), (int32_t) prompt.size(), 0, (int32_t) c.params.n_batch, false);
-    llama_synchronize(c.ctx);
+    {
+        prefill_swap_scope swap(c.ctx, (int32_t) prompt.size());
+        r.prefill_ubatch = llama_n_ubatch(c.ctx);
+        decode_chunks(c.ctx, c.batch, prompt.data(), (int32_t) prompt.size(), 0, (int32_t) c.params.n_batch, false);
+        llama_synchronize(c.ctx);
+        if (swap.active) {
+            swap.end();
+            llama_prefill_swap_stats st{};
+            llama_prefill_swap_get_stats(c.ctx, &st);
+            r.prefill_swap_ms = st.ms_release + st.ms_reserve + st.ms_restore;
+        }
+    }
     const auto t1 = clock::now();
     r.prefill_tokens = (int32_t) prompt.size();
     r.prefill_s = std::chrono::duration<double>(t1 - t0).count();
@@ -1186,7 +1238,9 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_slots") = 0, py::arg("moe_cache_size_mib") = 0, py::arg("moe_cache_policy") = "freq",
              py::arg("moe_cache_rebalance_interval") = 40, py::arg("moe_cache_max_batch") = 8,
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
-             py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512)
+             py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
+             py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 2048,
+             py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
@@ -1207,6 +1261,8 @@ PYBIND11_MODULE(_core, mod) {
             d["prefill_s"] = r.prefill_s;
             d["decode_tokens"] = r.decode_tokens;
             d["decode_s"] = r.decode_s;
+            d["prefill_ubatch"] = r.prefill_ubatch;
+            d["prefill_swap_ms"] = r.prefill_swap_ms;
             return d;
         }, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("seed") = 0,
            py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("stop") = std::vector<std::string>())
@@ -1227,6 +1283,39 @@ PYBIND11_MODULE(_core, mod) {
         .def("moe_cache_rebalance", [](context_handle & c) {
             with_context_locked(c, [&]() { llama_moe_cache_rebalance(c.ctx); });
         }, "run the policy now, wait for the uploads and publish them")
+        .def("prefill_swap_stats", [](context_handle & c) {
+            llama_prefill_swap_stats st{};
+            with_context_locked(c, [&]() { llama_prefill_swap_get_stats(c.ctx, &st); });
+            static const char * steps[LLAMA_PREFILL_SWAP_STEP_COUNT] = { "reserve", "restore", "banks", "upload" };
+            static const char * skips[LLAMA_PREFILL_SWAP_SKIP_COUNT] = { "short", "others_generating", "bypass" };
+            py::dict failed, skipped;
+            for (int i = 0; i < LLAMA_PREFILL_SWAP_STEP_COUNT; ++i) {
+                failed[steps[i]] = st.n_failed[i];
+            }
+            for (int i = 0; i < LLAMA_PREFILL_SWAP_SKIP_COUNT; ++i) {
+                skipped[skips[i]] = st.n_skipped[i];
+            }
+            const uint64_t routed = st.after_restore_hits + st.after_restore_misses;
+            py::dict d;
+            d["n_ubatch"] = st.n_ubatch;
+            d["n_ubatch_last"] = st.n_ubatch_last;
+            d["swaps"] = st.n_swaps;
+            d["skipped"] = skipped;
+            d["failed"] = failed;
+            d["release_ms"] = st.ms_release;
+            d["reserve_ms"] = st.ms_reserve;
+            d["restore_ms"] = st.ms_restore;
+            d["total_ms"] = st.ms_total;
+            d["bytes_released"] = st.bytes_released;
+            d["bytes_restored"] = st.bytes_restored;
+            d["n_slots"] = st.n_slots;
+            d["warm_uploads"] = st.warm_uploads;
+            d["after_restore_tokens"] = st.after_restore_tokens;
+            d["after_restore_hits"] = st.after_restore_hits;
+            d["after_restore_misses"] = st.after_restore_misses;
+            d["after_restore_hit_rate"] = routed > 0 ? (double) st.after_restore_hits / routed : 0.0;
+            return d;
+        }, "the prefill-phase swap's counters and the parts of the last swap")
         .def("moe_cache_stats_json", &moe_cache_stats_json, "all stats as JSON text (total, per layer, configuration)")
         .def("record_routing", &record_routing, py::arg("path"),
              "write the routed experts of accepted tokens as JSONL into path; None stops");

@@ -1,0 +1,164 @@
+"""The prefill-phase swap through the real llama-server on loopback (CPU: the hot-expert cache's banks
+on the host test device). A long prompt runs at --prefill-ubatch and gives what the stock path gives
+at that -ub; a short one is bit-identical to the stock path at -ub; every failing step leaves a
+working server whose output equals the stock path (at the ubatch the prompt really ran at); another
+slot generating makes the swap wait; bypass mode changes nothing; the stats and /metrics count it.
+
+Fault injection: LLAMA_PREFILL_SWAP_FAIL=<step>[:N] fails that step of the N-th swap (reserve: the
+prefill ubatch's compute buffers; restore: the decode compute buffers; banks: the cache's banks;
+upload: an upload of the warm restore).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs
+from moecache.server import ServerProcess
+
+UB, PREFILL_UB, MIN_TOKENS = 32, 128, 64
+BASE_ARGS = ["-t", "2", "-c", "2048", "-b", "256", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
+HOST = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1"}
+CACHE = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+SWAP = ["-ub", str(UB), "--prefill-ubatch", str(PREFILL_UB), "--prefill-min-tokens", str(MIN_TOKENS)]
+LONG = "The committee met on Tuesday to discuss the budget for the coming year, and " * 20  # ~300 tokens
+SHORT = "def fibonacci(n):\n"
+
+
+def requests(srv):
+    """A long prompt (swaps), a short one (does not), the long one again (swaps again)."""
+    return [complete(srv, LONG, n_predict=16), complete(srv, SHORT, n_predict=16), complete(srv, LONG, n_predict=16)]
+
+
+def swap_stats(srv):
+    return cache_stats(srv)["prefill_swap"]
+
+
+@pytest.fixture(scope="module")
+def stock_small(tiny_model, llama_server_bin):
+    """The stock path at -ub 32 with the same cache: what prompts that do not swap must give."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(UB)] + CACHE, env=HOST, timeout=120) as srv:
+        yield requests(srv)
+
+
+@pytest.fixture(scope="module")
+def stock_big(tiny_model, llama_server_bin):
+    """The stock path at -ub 128: what prompts that swap must give."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(PREFILL_UB)] + CACHE, env=HOST, timeout=120) as srv:
+        yield requests(srv)
+
+
+def first_step(out):
+    """The prompt's own result: the first token and its top log-probabilities (before any decode)."""
+    return logprobs(out)[0]
+
+
+def test_a_long_prompt_runs_at_the_prefill_ubatch_and_equals_the_stock_path_there(tiny_model, stock_big, stock_small):
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=HOST, timeout=120) as srv:
+        outs = requests(srv)
+        st = swap_stats(srv)
+        status, metrics = srv.get("/metrics")
+    assert outs[0]["timings"]["prefill_ubatch"] == PREFILL_UB
+    assert outs[0]["timings"]["prefill_swap_ms"] > 0
+    assert "prefill_ubatch" not in outs[1]["timings"]
+    # prefill at ubatch 128 is the stock prefill at -ub 128, bit for bit (the first step's log-probs),
+    # and differs from -ub 32 (so the comparison can fail)
+    for i in (0, 2):
+        assert first_step(outs[i]) == first_step(stock_big[i])
+    assert first_step(stock_big[0]) != first_step(stock_small[0])
+    # greedy decode after the swap is the stock decode (the cache's hits are exact up to rounding)
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in stock_big]
+    assert st["swaps"] == 2 and st["skipped"]["short"] == 1 and st["n_ubatch_last"] == PREFILL_UB
+    assert not any(st["failed"].values()) and st["active"] is False
+    assert st["last"]["n_slots"] == N_EXPERT // 2  # the cache came back at its size
+    assert st["last"]["bytes_released"] > 0 and st["last"]["bytes_restored"] > 0
+    assert st["warm_uploads"] > 0 and st["after_restore"]["tokens"] > 0
+    assert status == 200
+    assert "llamacpp:prefill_swaps_total 2" in metrics
+    assert 'llamacpp:prefill_swap_failures_total{step="reserve"} 0' in metrics
+
+
+def test_a_short_prompt_is_bit_identical_to_the_stock_path(tiny_model, llama_server_bin):
+    """Swap configured, prompt under the threshold: nothing differs, the log-probabilities neither."""
+    def run(args):
+        with ServerProcess(tiny_model, args=BASE_ARGS + args + CACHE, env=HOST, timeout=120) as srv:
+            return [complete(srv, SHORT, n_predict=24), complete(srv, LONG[:200], n_predict=24)], swap_stats(srv)
+    ref, _ = run(["-ub", str(UB)])
+    got, st = run(SWAP[:-1] + ["1000"])  # every prompt is under 1000 tokens
+    assert [logprobs(o) for o in got] == [logprobs(o) for o in ref]
+    assert st["swaps"] == 0 and st["skipped"]["short"] == 2
+
+
+def test_bypass_mode_decides_but_keeps_the_ubatch(tiny_model, stock_small):
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + ["--prefill-swap-mode", "bypass"] + CACHE, env=HOST,
+                       timeout=120) as srv:
+        outs = requests(srv)
+        st = swap_stats(srv)
+    assert [logprobs(o) for o in outs] == [logprobs(o) for o in stock_small]
+    assert st["swaps"] == 0 and st["skipped"]["bypass"] == 2 and st["mode"] == "bypass"
+
+
+@pytest.mark.parametrize("step", ["reserve", "restore", "banks", "upload"])
+def test_a_failing_step_leaves_a_working_server_with_the_stock_output(tiny_model, stock_small, stock_big, step):
+    env = {**HOST, "LLAMA_PREFILL_SWAP_FAIL": step}  # the first swap's step fails
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        outs = requests(srv)
+        st = swap_stats(srv)
+        status, metrics = srv.get("/metrics")
+        log = srv.log_text()
+    assert f"injected: LLAMA_PREFILL_SWAP_FAIL={step}" in log
+    assert st["failed"][step] == 1 and sum(st["failed"].values()) == 1
+    assert f'llamacpp:prefill_swap_failures_total{{step="{step}"}} 1' in metrics
+    if step == "reserve":
+        # the first long prompt ran at -ub 32 (rolled back), the second one swapped
+        assert "prefill_ubatch" not in outs[0]["timings"] and outs[2]["timings"]["prefill_ubatch"] == PREFILL_UB
+        assert first_step(outs[0]) == first_step(stock_small[0])
+        assert outs[0]["tokens"] == stock_small[0]["tokens"]
+        assert st["swaps"] == 1
+    else:
+        assert first_step(outs[0]) == first_step(stock_big[0])
+        assert outs[0]["tokens"] == stock_big[0]["tokens"]
+        assert st["swaps"] == 2
+    # the requests after the failure work and give the stock output
+    assert first_step(outs[2]) == first_step(stock_big[2])
+    assert [o["tokens"] for o in outs[1:]] == [o["tokens"] for o in stock_big[1:]]
+    if step == "banks":
+        assert st["last"]["n_slots"] == N_EXPERT // 2  # the next restore brought the banks back
+    if step == "upload":
+        assert "takes the stock path from now on" in log  # that layer, the others keep their cache
+
+
+def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bin):
+    """-np 2: a long prompt arriving while the other slot generates runs at -ub (no decode step waits
+    for a transition), with the same output as alone; alone, it swaps."""
+    args = BASE_ARGS[:] + SWAP + CACHE
+    args[args.index("-np") + 1] = "2"
+    args[args.index("-c") + 1] = "4096"
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        alone = complete(srv, LONG, n_predict=8)
+        assert alone["timings"]["prefill_ubatch"] == PREFILL_UB
+        long_gen = {}
+
+        def generate():
+            long_gen["out"] = complete(srv, SHORT, n_predict=600)
+
+        t = threading.Thread(target=generate)
+        t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the other slot generates
+            status, slots = srv.get("/slots")
+            assert status == 200, slots
+            if any(s.get("is_processing") and s.get("next_token", [{}])[0].get("n_decoded", 0) > 0 for s in slots):
+                break
+            time.sleep(0.01)
+        during = complete(srv, LONG, n_predict=8)
+        busy = long_gen.get("out") is None  # the other slot was still generating when this one finished
+        t.join()
+        st = swap_stats(srv)
+    assert busy, "the generating request finished before the long prompt: make it longer"
+    assert "prefill_ubatch" not in during["timings"]
+    assert st["skipped"]["others_generating"] >= 1 and st["swaps"] == 1
+    assert during["tokens"] == alone["tokens"]  # prefill at -ub 32 and at 128 agree on the tokens here
