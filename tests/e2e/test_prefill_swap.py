@@ -17,7 +17,9 @@ import time
 import pytest
 
 from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs
-from moecache.server import ServerProcess
+import subprocess
+
+from moecache.server import ServerError, ServerProcess
 
 UB, PREFILL_UB, MIN_TOKENS = 32, 128, 64
 BASE_ARGS = ["-t", "2", "-c", "2048", "-b", "256", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
@@ -162,3 +164,44 @@ def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bi
     assert "prefill_ubatch" not in during["timings"]
     assert st["skipped"]["others_generating"] >= 1 and st["swaps"] == 1
     assert during["tokens"] == alone["tokens"]  # prefill at -ub 32 and at 128 agree on the tokens here
+
+
+def test_flags_have_help_and_variables_with_the_public_names(llama_server_bin):
+    out = subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=60).stdout
+    for flag, env in [("--prefill-ubatch", "LLAMA_ARG_PREFILL_UBATCH"), ("--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS"),
+                      ("--prefill-swap-mode", "LLAMA_ARG_PREFILL_SWAP_MODE"),
+                      ("--prefill-warm-restore", "LLAMA_ARG_PREFILL_WARM_RESTORE")]:
+        assert flag in out and env in out, flag
+    for old in ("LLAMA_PHASE_PREFILL_UBATCH", "LLAMA_PHASE_PREFILL_MIN_TOKENS", "LLAMA_PHASE_PREFILL_MODE"):
+        assert old in out, old
+
+
+def test_the_server_reads_the_public_variable_names(tiny_model):
+    env = {**HOST, "LLAMA_PHASE_PREFILL_UBATCH": str(PREFILL_UB), "LLAMA_PHASE_PREFILL_MIN_TOKENS": str(MIN_TOKENS),
+           "LLAMA_PHASE_PREFILL_MODE": "bypass", "LLAMA_ARG_PREFILL_WARM_RESTORE": "off"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(UB)] + CACHE, env=env, timeout=120) as srv:
+        st = swap_stats(srv)
+    assert (st["n_ubatch"], st["min_tokens"], st["mode"], st["warm_restore"]) == (PREFILL_UB, MIN_TOKENS, "bypass", False)
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--prefill-swap-mode", "fast"], "invalid value for --prefill-swap-mode: 'fast' (expected transaction or bypass)"),
+    (["--prefill-ubatch", "-5"], "invalid value for --prefill-ubatch: '-5'"),
+    (["--prefill-min-tokens", "0"], "invalid value for --prefill-min-tokens: '0' (expected an integer >= 1)"),
+])
+def test_bad_flags_are_named(tiny_model, llama_server_bin, flags, expect):
+    with pytest.raises(ServerError) as e:
+        with ServerProcess(tiny_model, args=BASE_ARGS + flags, env=HOST, timeout=60):
+            pass
+    assert expect in str(e.value)
+
+
+def test_a_prefill_ubatch_not_above_the_ubatch_turns_the_swap_off_and_says_so(tiny_model):
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", "128", "--prefill-ubatch", "64"] + CACHE, env=HOST,
+                       timeout=120) as srv:
+        out = complete(srv, LONG, n_predict=4)
+        st = swap_stats(srv)
+        log = srv.log_text()
+    assert "is not larger than n_ubatch = 128: the swap is off" in log
+    assert st["enabled"] is False and "prefill_ubatch" not in out["timings"]

@@ -1,0 +1,79 @@
+"""The prefill-phase swap on CUDA (patches 0011-0013): the cache's banks in VRAM, the experts in host
+memory. The checks of tests/e2e/test_prefill_swap.py with the banks, compute buffers and CUDA pools
+really freed and allocated again, and CUDA graphs captured before a swap dropped with the pools.
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs, max_logprob_diff
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+UB, PREFILL_UB = 32, 256
+BASE_ARGS = ["-t", "8", "-c", "2048", "-b", "512", "-np", "1", "-ngl", "99", "--cpu-moe", "-lm", "none", "--no-webui",
+             "--metrics"]
+CACHE = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+SWAP = ["-ub", str(UB), "--prefill-ubatch", str(PREFILL_UB), "--prefill-min-tokens", "64"]
+LONG = "The committee met on Tuesday to discuss the budget for the coming year, and " * 24  # ~360 tokens
+SHORT = "def fibonacci(n):\n"
+
+
+def requests(srv):
+    # decode between two swaps runs CUDA graphs captured with the restored pools
+    return [complete(srv, LONG, n_predict=24), complete(srv, SHORT, n_predict=24), complete(srv, LONG, n_predict=24)]
+
+
+@pytest.fixture(scope="module")
+def stock_big(tiny_model):
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(PREFILL_UB)] + CACHE, timeout=180) as srv:
+        yield requests(srv)
+
+
+@pytest.fixture(scope="module")
+def stock_small(tiny_model):
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(UB)] + CACHE, timeout=180) as srv:
+        yield requests(srv)
+
+
+def first_step_diff(a, b) -> float:
+    pa, pb = logprobs(a)[0], logprobs(b)[0]
+    assert [t for t, _ in pa] == [t for t, _ in pb]
+    return max(abs(x - y) for (_, x), (_, y) in zip(pa, pb))
+
+
+def test_swap_on_cuda_equals_the_stock_path_at_the_prefill_ubatch(tiny_model, stock_big):
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, timeout=180) as srv:
+        outs = requests(srv)
+        st = cache_stats(srv)
+    sw = st["prefill_swap"]
+    print("prefill swap on CUDA:", sw)
+    assert sw["swaps"] == 2 and not any(sw["failed"].values())
+    assert outs[0]["timings"]["prefill_ubatch"] == PREFILL_UB
+    for i in (0, 2):
+        d = first_step_diff(outs[i], stock_big[i])
+        print(f"request {i}: first-step log-prob difference to the stock path at -ub {PREFILL_UB}: {d:.3g}")
+        assert d < 1e-3
+    for a, b in zip(stock_big, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2  # the cache's hits on the GPU, misses on the CPU
+    # the banks, the compute buffers and the pools came back; the cache serves again
+    assert sw["last"]["n_slots"] == N_EXPERT // 2 and st["enabled"] is True
+    assert sw["last"]["bytes_released"] >= st["total"]["bytes_vram"] > 0
+    assert sw["after_restore"]["hits"] > 0 and sw["warm_uploads"] > 0
+
+
+@pytest.mark.parametrize("step", ["reserve", "restore", "banks", "upload"])
+def test_cuda_swap_failures_keep_serving(tiny_model, stock_big, stock_small, step):
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env={"LLAMA_PREFILL_SWAP_FAIL": step},
+                       timeout=180) as srv:
+        outs = requests(srv)
+        sw = cache_stats(srv)["prefill_swap"]
+    assert sw["failed"][step] == 1
+    ref0 = stock_small[0] if step == "reserve" else stock_big[0]
+    assert outs[0]["tokens"] == ref0["tokens"]
+    assert [o["tokens"] for o in outs[1:]] == [o["tokens"] for o in stock_big[1:]]
