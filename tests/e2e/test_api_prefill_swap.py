@@ -78,3 +78,17 @@ def test_options_come_from_arguments_then_the_environment(model, monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_PREFILL_MIN_TOKENS", "many")
     with pytest.raises(ValueError, match="LLAMA_ARG_PREFILL_MIN_TOKENS .* must be an integer >= 1"):
         model.context(**CTX, n_ubatch=32)
+
+
+def test_the_compute_buffer_holds_logits_for_one_output(tiny_model, capfd):
+    """A large prefill ubatch costs its activations, not n_ubatch rows of logits: generate needs one
+    output per decode (the upstream default reserves n_batch outputs: 1188 MiB at 2048 here)."""
+    import re
+
+    m = moecache.Model(tiny_model, verbose=True)
+    capfd.readouterr()
+    m.context(n_ctx=2048, n_batch=2048, n_ubatch=2048).generate(SHORT, max_tokens=2)
+    log = capfd.readouterr().err
+    mib = [float(x) for x in re.findall(r"CPU compute buffer size =\s*([0-9.]+) MiB", log)]
+    all_logits_mib = 2048 * m.n_vocab * 4 / 2**20
+    assert mib and max(mib) < all_logits_mib / 8, (mib, all_logits_mib)

@@ -580,6 +580,10 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.n_batch = n_batch;
     params.n_ubatch = n_ubatch;
     params.n_seq_max = 1;
+    // generate asks for one output per decode (the prompt's last token, then each new one); the
+    // default (n_batch) would reserve logits for every ubatch token: 1188 MiB of the compute buffer
+    // at n_ubatch 2048 with a 151936-token vocabulary, against 594 KiB for one
+    params.n_outputs_max = 1;
     params.n_threads = n_threads;
     params.n_threads_batch = n_threads;
     params.no_perf = true; // we time prefill and decode ourselves
@@ -808,6 +812,8 @@ static std::pair<py::array_t<int32_t>, std::vector<int>> trace_routing(context_h
     params.moe_cache.n_slots = 0;
     params.moe_cache.size_mib = 0;
     params.moe_cache.routing_trace = nullptr;
+    params.prefill_swap.n_ubatch = 0;
+    params.n_outputs_max = 0; // every token is an output here (n_batch)
     std::unique_ptr<llama_context, decltype(&llama_free)> tctx(nullptr, &llama_free);
     std::unique_ptr<llama_batch, void (*)(llama_batch *)> batch(new llama_batch(llama_batch_init(params.n_batch, 0, 1)),
                                                                [](llama_batch * b) { llama_batch_free(*b); delete b; });
