@@ -278,7 +278,9 @@ FAKE_SERVER = r'''#!PYTHON
 """Stands in for llama-server: /health, /props, /tokenize, /completion (stream and not). Each character
 is a token (BOS = 2 with add_special). With --spec-type every request drafts n_predict tokens and has
 half of them accepted, unless more than --spec-max-users (default 2) requests are generating halfway
-through its FAKE_SLEEP seconds: then its steps are off for load."""
+through its FAKE_SLEEP seconds: then its steps are off for load. With --prefill-ubatch a prompt of
+--prefill-min-tokens or more "swaps" (timings prefill_ubatch, prefill_swap_ms) and /moe-cache counts it
+in "prefill_swap"."""
 import json, os, sys, threading, time, signal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
@@ -292,8 +294,15 @@ if arg("-ub") == "999":
 slow = float(os.environ.get("FAKE_SLOWDOWN", "1"))
 sleep = float(os.environ.get("FAKE_SLEEP", "0"))
 n_ctx = int(arg("-c", "4096"))
+slots_n = int(arg("--moe-cache-slots", "0"))
 lock = threading.Lock()
 active = [0]
+swap = {"enabled": arg("--prefill-ubatch") is not None, "n_ubatch": int(arg("--prefill-ubatch", "0")),
+        "min_tokens": int(arg("--prefill-min-tokens", "0")), "mode": arg("--prefill-swap-mode", "transaction"),
+        "warm_restore": "--no-prefill-warm-restore" not in args, "active": False, "swaps": 0,
+        "skipped": {"short": 0, "others_generating": 0, "bypass": 0},
+        "failed": {"reserve": 0, "restore": 0, "banks": 0, "upload": 0}, "n_ubatch_last": 0, "last": None,
+        "total_ms": 0.0, "warm_uploads": 0, "after_restore": {"tokens": 0, "hits": 0, "misses": 0, "hit_rate": None}}
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a): pass
     def reply(self, obj, code=200):
@@ -304,9 +313,10 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/health": self.reply({"status": "ok"})
         elif self.path == "/props": self.reply({"default_generation_settings": {"n_ctx": n_ctx},
                                                 "total_slots": int(arg("-np", "4"))})
-        elif self.path == "/moe-cache" and arg("--moe-cache-slots"):
-            slots = int(arg("--moe-cache-slots"))
+        elif self.path == "/moe-cache" and (arg("--moe-cache-slots") or swap["enabled"]):
+            slots = int(arg("--moe-cache-slots", "0"))
             self.reply({"enabled": slots > 0, "config": {"n_slots": slots, "policy": "freq"},
+                        **({"prefill_swap": swap} if swap["enabled"] else {}),
                         "total": {"hits": 75, "misses": 25, "hit_rate": 0.75, "hit_rate_recent": 0.8,
                                   "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
                                   "step_ms_max": 0.25, "bytes_vram": slots * 4 << 20, "batches_cached": 30,
@@ -329,6 +339,20 @@ class H(BaseHTTPRequestHandler):
         assert body["temperature"] == 0 and body["cache_prompt"] is False
         timings = {"prompt_n": n, "cache_n": 0, "prompt_ms": n / 10 * slow, "prompt_per_second": 10000 / slow,
                    "predicted_n": k, "predicted_ms": k * 2 * slow, "predicted_per_second": 500 / slow}
+        if swap["enabled"]:
+            with lock:
+                if n >= swap["min_tokens"]:
+                    t = min(k, 64)
+                    timings.update({"prefill_ubatch": swap["n_ubatch"], "prefill_swap_ms": 12.5})
+                    swap["swaps"] += 1; swap["total_ms"] += 12.5; swap["warm_uploads"] += 10
+                    swap["n_ubatch_last"] = swap["n_ubatch"]
+                    swap["last"] = {"release_ms": 2.0, "reserve_ms": 3.5, "restore_ms": 7.0,
+                                    "bytes_released": 5 << 30, "bytes_restored": 4 << 30, "n_slots": slots_n}
+                    ar = swap["after_restore"]
+                    ar["tokens"] += t; ar["hits"] += 3 * t; ar["misses"] += t
+                    ar["hit_rate"] = ar["hits"] / (ar["hits"] + ar["misses"])
+                else:
+                    swap["skipped"]["short"] += 1
         if "--spec-type" in args:
             off = generating > int(arg("--spec-max-users", "2"))
             timings.update({"draft_n": 0 if off else k, "draft_n_accepted": 0 if off else k // 2,
@@ -343,7 +367,11 @@ class H(BaseHTTPRequestHandler):
         self.wfile.write(('data: ' + json.dumps({"content": "", "stop": True, "timings": timings}) + '\n\n').encode())
         self.wfile.flush()
 srv = ThreadingHTTPServer((arg("--host"), int(arg("--port"))), H)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+def bye(*a):
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps({"server": "stop"}) + "\n")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, bye)
 srv.serve_forever()
 '''
 
@@ -833,3 +861,361 @@ def test_report_leaves_out_speculation_without_drafts():
         if r.get("speculation"):
             r["speculation"] = {**r["speculation"], "drafted": 0, "accepted": 0, "acceptance": None}
     assert "## Speculation" not in report.render_markdown(run)
+
+
+# --------------------------------------------------------------------------- VRAM budget (ballast) and the
+# --------------------------------------------------------------------------- prefill-phase swap (issue 10)
+
+FAKE_BALLAST = r'''#!PYTHON
+"""Stands in for python -m moecache.bench.ballast: notes "ready" in FAKE_LOG, prints the ready line of a
+GPU with FAKE_FREE_GIB (default 70) of 80 GiB free, waits for stdin to close, notes "stop".
+FAKE_BALLAST=nocuda: the no-CUDA error line and status 2; =silent: never says anything."""
+import json, os, sys, time
+args = sys.argv[1:]
+leave = float(args[args.index("--leave-gib") + 1])
+def note(event):
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps({"ballast": event, "leave": leave, "slow": os.environ.get("FAKE_SLOWDOWN")}) + "\n")
+mode = os.environ.get("FAKE_BALLAST", "")
+if mode == "nocuda":
+    print(json.dumps({"error": "no CUDA runtime library could be loaded (tried libcudart.so)", "kind": "no-cuda"}))
+    sys.exit(2)
+if mode == "silent":  # never ready; ends when stdin closes
+    sys.stdin.read()
+    sys.exit(0)
+total, free, budget = 80 << 30, int(float(os.environ.get("FAKE_FREE_GIB", "70")) * 2**30), int(leave * 2**30)
+held = max(0, free - budget)
+warning = None if held else f"device 0: only {free / 2**30:.2f} GiB free, not more than the budget: nothing held"
+note("ready")
+print(json.dumps({"ready": True, "budget_bytes": budget, "library": "libfake.so", "api": "runtime", "pid": os.getpid(),
+                  "devices": [{"device": 0, "name": "Fake GPU", "total": total, "free_before": free, "held": held,
+                               "free_after": free - held, "chunks": held >> 30, "warning": warning}]}), flush=True)
+sys.stdin.read()
+note("stop")
+'''
+
+
+@pytest.fixture
+def fake_ballast(tmp_path, monkeypatch, fake_server_bin):
+    """The bench's ballast command replaced by FAKE_BALLAST (the real one needs a GPU)."""
+    from moecache.bench import ballast
+
+    exe = tmp_path / "fake-ballast"
+    exe.write_text(FAKE_BALLAST.replace("#!PYTHON", "#!" + sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(ballast, "ballast_command", lambda gib: [str(exe), "--leave-gib", f"{gib:g}"])
+    return fake_server_bin
+
+
+def _events(log: Path) -> list[str]:
+    out = []
+    for c in map(json.loads, log.read_text().splitlines() if log.exists() else []):
+        if "ballast" in c:
+            out.append(f"ballast {c['ballast']}")
+        elif "args" in c:
+            out.append("server start")
+        elif c.get("server") == "stop":
+            out.append("server stop")
+    return out
+
+
+def test_vram_budget_key(tmp_path):
+    assert load_scenario(write_scenario(tmp_path, GOOD)).vram_budget_gib is None
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 24")))
+    assert sc.vram_budget_gib == 24.0 and isinstance(sc.vram_budget_gib, float)
+    frac = GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 7.5")
+    assert load_scenario(write_scenario(tmp_path, frac, name="f.toml")).vram_budget_gib == 7.5
+
+
+@pytest.mark.parametrize("value", ["0", "-4", '"24"', "true", "[24]"])
+def test_bad_vram_budget_is_a_clear_error(tmp_path, value):
+    path = write_scenario(tmp_path, GOOD.replace("max_tokens = 8", f"max_tokens = 8\nvram_budget_gib = {value}"))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert "vram_budget_gib must be a number of GiB above 0" in str(e.value) and str(path) in str(e.value)
+
+
+def test_vram_budget_flag_overrides_the_scenario(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(runner, "run_scenario", lambda sc, out, dry_run=False: (seen.append(sc.vram_budget_gib)
+                                                                                or ({"ok": True}, None)))
+    with_key = write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 24"))
+    without = write_scenario(tmp_path, GOOD, name="plain.toml")
+    assert bench.main([str(with_key)]) == 0
+    assert bench.main([str(with_key), "--vram-budget", "16"]) == 0
+    assert bench.main([str(with_key), "--vram-budget", "0"]) == 0  # 0: the scenario's budget off
+    assert bench.main([str(without), "--vram-budget", "12.5"]) == 0
+    assert bench.main([str(without)]) == 0
+    assert seen == [24.0, 16.0, None, 12.5, None]
+    assert bench.main([str(without), "--vram-budget", "-1"]) == 2
+    assert "--vram-budget must be a number of GiB >= 0" in capsys.readouterr().err
+    help_text = bench.build_parser().format_help()
+    assert "--vram-budget GIB" in help_text and "ballast" in help_text
+
+
+def test_dry_run_shows_the_ballast(tmp_path, capsys):
+    path = write_scenario(tmp_path, GOOD)
+    assert bench.main([str(path), "--dry-run", "--vram-budget", "24"]) == 0
+    err = capsys.readouterr().err
+    assert "VRAM budget 24 GiB" in err and "-m moecache.bench.ballast --leave-gib 24" in err
+    assert bench.main([str(path), "--dry-run"]) == 0
+    assert "VRAM budget" not in capsys.readouterr().err
+
+
+def test_shipped_prefill_swap_scenario():
+    sc = load_scenario(SCENARIOS / "prefill-swap-h200.toml")
+    assert (sc.model.synth, sc.model.quant) == ("qwen3-30b-a3b", "q4_0")
+    assert sc.vram_budget_gib == 24.0
+    assert [a.name for a in sc.arms] == ["ub512-cache", "ub2048-cache", "swap", "swap-cold", "bypass"]
+    assert sc.baseline.name == "ub512-cache"
+    arms = {a.name: a.args for a in sc.arms}
+    assert arms["ub512-cache"][:2] == ["-ub", "512"] and arms["ub2048-cache"][:2] == ["-ub", "2048"]
+    for name in ("ub512-cache", "ub2048-cache", "swap", "swap-cold", "bypass"):
+        assert arms[name][arms[name].index("--moe-cache-slots") + 1] == "128"
+    for name in ("swap", "swap-cold", "bypass"):
+        a = arms[name]
+        assert a[a.index("-ub") + 1] == "512" and a[a.index("--prefill-ubatch") + 1] == "2048"
+        assert a[a.index("--prefill-min-tokens") + 1] == "2048"
+    assert "--no-prefill-warm-restore" in arms["swap-cold"] and "--no-prefill-warm-restore" not in arms["swap"]
+    assert arms["bypass"][arms["bypass"].index("--prefill-swap-mode") + 1] == "bypass"
+    sa = sc.server_args
+    assert sa[sa.index("-b") + 1] == "2048" and sa[sa.index("-np") + 1] == "1"
+    assert "exps=CPU" in sa and sa[sa.index("-lm") + 1] == "none"
+    assert int(sa[sa.index("-c") + 1]) >= sc.max_context() == 32768 + 512 + 8
+    assert sc.max_tokens == 512 and sc.ignore_eos and sc.ttft and sc.repetitions <= 2
+    assert sorted(n for p in sc.prompts for n in p.lengths) == [8192, 32768]
+    for ps in sc.prompts:
+        assert sum(f.stat().st_size for f in ps.files) > 4 * max(ps.lengths)
+    for target in ("2.3x", "2.5x", "0.45x", "2%", "0.5 s", "minutes"):
+        assert target in sc.description, target
+
+
+def test_runner_holds_the_ballast_around_each_server(tmp_path, fake_ballast, capsys):
+    path = write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 24"))
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "VRAM budget 24 GiB: ballast ready" in err and "held 46.0" in err and "24.00 GiB free" in err
+    # per arm: the ballast is ready before the server starts and stops after the server has stopped
+    assert _events(fake_ballast) == ["ballast ready", "server start", "server stop", "ballast stop"] * 2
+    ballast_env = [c.get("slow") for c in map(json.loads, fake_ballast.read_text().splitlines()) if "ballast" in c]
+    assert ballast_env == [None, None, "2", "2"]  # it runs with the arm's environment, as its server does
+    [js] = list(out.glob("*-t.json"))
+    data = json.loads(js.read_text())
+    assert data["scenario"]["vram_budget_gib"] == 24.0
+    for a in data["arms"]:
+        b = a["ballast"]
+        assert b["budget_gib"] == 24.0 and b["budget_bytes"] == 24 << 30 and b["exit_status"] == 0
+        [d] = b["devices"]
+        assert (d["held"], d["free_after"], d["total"]) == (46 << 30, 24 << 30, 80 << 30)
+        assert b["warning"] is None and "pid" not in b
+    [md] = list(out.glob("*-t.md"))
+    text = md.read_text()
+    assert "- VRAM budget: 24 GiB per GPU" in text and "base: held 46.00 GiB, 24.00 GiB free" in text
+    table = text[text.index("### VRAM ballast"):text.index("## Results")]
+    assert "| base | 0 (Fake GPU) | 80.00 | 70.00 | 46.00 | 24.00 |  |" in table
+    # the flag overrides the key: a 50 GiB budget, 20 GiB held
+    assert bench.main([str(path), "--out", str(out), "--reps", "1", "--arms", "base", "--vram-budget", "50"]) == 0
+    assert "held 20.0" in capsys.readouterr().err
+
+
+def test_runner_warns_when_the_budget_exceeds_the_free_memory(tmp_path, fake_ballast, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_FREE_GIB", "20")
+    path = write_scenario(tmp_path, GOOD)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "1", "--arms", "base", "--vram-budget", "24"]) == 0
+    err = capsys.readouterr().err
+    assert "WARNING: device 0: only 20.00 GiB free" in err and "nothing held" in err
+    [js] = list(out.glob("*-t.json"))
+    b = json.loads(js.read_text())["arms"][0]["ballast"]
+    assert b["devices"][0]["held"] == 0 and "nothing held" in b["warning"]
+    assert "nothing held" in js.with_suffix(".md").read_text()
+
+
+def test_runner_without_cuda_is_a_clear_error(tmp_path, fake_ballast, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_BALLAST", "nocuda")
+    path = write_scenario(tmp_path, GOOD)
+    assert bench.main([str(path), "--out", str(tmp_path / "r"), "--vram-budget", "24"]) == 1
+    err = capsys.readouterr().err
+    assert "moecache bench: --vram-budget needs a CUDA GPU: no CUDA runtime library could be loaded" in err
+    assert "server start" not in _events(fake_ballast)  # no server ran without its ballast
+
+
+def test_runner_with_the_real_ballast_and_no_cuda_runtime(tmp_path, fake_server_bin, capsys, monkeypatch):
+    monkeypatch.setenv("MOECACHE_CUDART", "libmoecache-no-such-cudart.so")
+    path = write_scenario(tmp_path, GOOD)
+    assert bench.main([str(path), "--out", str(tmp_path / "r"), "--vram-budget", "24"]) == 1
+    err = capsys.readouterr().err
+    assert "--vram-budget needs a CUDA GPU: no CUDA runtime library could be loaded" in err
+    assert "libmoecache-no-such-cudart.so" in err
+
+
+def test_runner_fails_an_arm_whose_ballast_never_gets_ready(tmp_path, fake_ballast, capsys, monkeypatch):
+    from moecache.bench import ballast
+
+    monkeypatch.setenv("FAKE_BALLAST", "silent")
+    monkeypatch.setattr(ballast, "READY_TIMEOUT", 1.0)
+    path = write_scenario(tmp_path, GOOD)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "1", "--vram-budget", "24"]) == 1
+    err = capsys.readouterr().err
+    assert "did not report ready within 1 s" in err
+    [js] = list(out.glob("*-t.json"))
+    data = json.loads(js.read_text())
+    assert all(a["error"].startswith("VRAM ballast: ") for a in data["arms"])
+    assert all(r.get("error") for r in data["results"])
+    assert "server start" not in _events(fake_ballast)
+
+
+SWAP = GOOD.replace('[[arms]]\nname = "small"\nargs = ["-ub", "32"]',
+                    '[[arms]]\nname = "swap"\nargs = ["-ub", "8", "--prefill-ubatch", "32", "--prefill-min-tokens", '
+                    '"20", "--moe-cache-slots", "16"]')
+
+
+def test_runner_records_the_prefill_swap(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, SWAP)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "prompt swapped to ubatch 32 (12.5 ms)" in err
+    assert "prefill swap (transaction): 5 swaps" in err  # warm-up + 2 x (timed + TTFT) of the 32-token prompt
+    [js] = list(out.glob("*-t.json"))
+    data = json.loads(js.read_text())
+    rows = {(r["arm"], r["length"]): r for r in data["results"]}
+    assert "prefill_swap" not in rows[("base", 32)]  # no swap in the timings, no /moe-cache
+    assert rows[("swap", 32)]["samples"][0]["prefill_ubatch"] == 32
+    assert "prefill_ubatch" not in rows[("swap", 16)]["samples"][0]
+    long = rows[("swap", 32)]["prefill_swap"]
+    assert (long["requests"], long["swapped"], long["prefill_ubatch"]) == (2, 2, 32)
+    assert long["swap_ms"]["median"] == 12.5 and long["swap_ms"]["n"] == 2
+    srv = long["server"]
+    assert srv["swaps"] == 4 and srv["total_ms"] == 50.0 and srv["warm_uploads"] == 40  # not the warm-up's
+    assert srv["mode"] == "transaction" and srv["warm_restore"] is True and srv["enabled"] is True
+    assert srv["last"] == {"release_ms": 2.0, "reserve_ms": 3.5, "restore_ms": 7.0, "bytes_released": 5 << 30,
+                           "bytes_restored": 4 << 30, "n_slots": 16}
+    assert srv["after_restore"]["tokens"] == 2 * 8 + 2 * 1 and srv["after_restore"]["hit_rate"] == 0.75
+    assert srv["failed"] == {"reserve": 0, "restore": 0, "banks": 0, "upload": 0}
+    short = rows[("swap", 16)]["prefill_swap"]
+    assert (short["swapped"], short["prefill_ubatch"], short["swap_ms"]) == (0, None, None)
+    assert short["server"]["swaps"] == 0 and short["server"]["skipped"]["short"] == 4
+    assert short["server"]["last"] is None  # no swap in this row: the last one was another row's
+    arm = next(a for a in data["arms"] if a["name"] == "swap")["prefill_swap"]
+    assert arm["swaps"] == 5 and arm["skipped"]["short"] == 5 and arm["n_ubatch"] == 32 and arm["min_tokens"] == 20
+    [md] = list(out.glob("*-t.md"))
+    text = md.read_text()
+    res = text[text.index("## Results"):text.index("## Prefill swap")]
+    assert "| aggregate ratio | prefill ub | swap ms |" in res
+    line = next(x for x in res[res.index("32 tokens"):].splitlines() if x.startswith("| swap |"))
+    assert line.rstrip().endswith("| 32 | 12.5 |")
+    sw = text[text.index("## Prefill swap"):text.index("## Commands")]
+    assert "| swap | `text` 32 | transaction, warm | 2/2 | 32 | 12.5 | 4 | 2.0 | 3.5 | 7.0 | 5.00 | 4.00 | 40 | 0 " \
+           "| 0 | 75.0% |" in sw
+    assert "| swap | `text` 16 | transaction, warm | 0/2 | - | - | 0 | - | - | - | - | - | 0 | 0 | short 4 | - |" in sw
+
+
+def test_prefill_swap_summary_and_delta():
+    assert runner.prefill_swap_summary(None) is None
+    assert runner.prefill_swap_summary({"enabled": True}) is None
+    assert runner.prefill_swap_summary({"prefill_swap": "x"}) is None
+    body = {"enabled": True, "prefill_swap": {
+        "enabled": True, "n_ubatch": 2048, "min_tokens": 2048, "mode": "transaction", "warm_restore": False,
+        "active": False, "swaps": 3, "skipped": {"short": 1, "others_generating": 0, "bypass": 0, "new_reason": 2},
+        "failed": {"reserve": 1, "restore": 0, "banks": 0, "upload": 0}, "n_ubatch_last": 2048,
+        "last": {"release_ms": 40.5, "reserve_ms": 10.25, "restore_ms": 300.0, "bytes_released": 9 << 30,
+                 "bytes_restored": 8 << 30, "n_slots": 100},
+        "total_ms": 1051.5, "warm_uploads": True, "after_restore": {"tokens": 192, "hits": 1000, "misses": 536,
+                                                                      "hit_rate": 0.65}}}
+    s = runner.prefill_swap_summary(body)
+    assert s["swaps"] == 3 and s["mode"] == "transaction" and s["warm_restore"] is False
+    assert s["warm_uploads"] is None  # a bool is not a count
+    assert s["skipped"] == {"short": 1, "others_generating": 0, "bypass": 0, "new_reason": 2}
+    assert s["last"]["restore_ms"] == 300.0 and s["after_restore"]["hit_rate"] == 0.65
+    before = runner.prefill_swap_summary({"prefill_swap": {**body["prefill_swap"], "swaps": 1, "total_ms": 51.5,
+                                                           "failed": {"reserve": 1},
+                                                           "after_restore": {"tokens": 64, "hits": 40, "misses": 24}}})
+    d = runner.prefill_swap_delta(before, s)
+    assert d["swaps"] == 2 and d["total_ms"] == 1000.0 and d["failed"]["reserve"] == 0
+    assert d["after_restore"] == {"tokens": 128, "hits": 960, "misses": 512, "hit_rate": 960 / 1472}
+    assert d["last"]["release_ms"] == 40.5 and d["n_ubatch"] == 2048
+    assert runner.prefill_swap_delta(s, s)["last"] is None and runner.prefill_swap_delta(s, s)["swaps"] == 0
+    assert runner.prefill_swap_delta(None, s)["swaps"] == 3  # no earlier snapshot: since the start
+    assert runner.prefill_swap_delta(s, None) is None
+    # the timings alone (a server without the counters)
+    r = runner.row_prefill_swap([{"prefill_ubatch": 2048, "prefill_swap_ms": 400.0},
+                                 {"prefill_ubatch": 2048, "prefill_swap_ms": 420.0}, {"prefill_swap_ms": 0.0}])
+    assert (r["requests"], r["swapped"], r["prefill_ubatch"], r["swap_ms"]["median"], r["server"]) == \
+        (3, 2, 2048, 410.0, None)
+    assert runner.row_prefill_swap([{"prefill_tps": 1.0}]) is None
+
+
+def test_measure_completion_keeps_the_swap_timings():
+    class Srv:
+        def post(self, path, body):
+            return 200, {"timings": {"prompt_n": 8192, "prompt_per_second": 8000.0, "predicted_n": 512,
+                                     "predicted_per_second": 100.0, "prefill_ubatch": 2048,
+                                     "prefill_swap_ms": 310.5}}
+
+    s = runner.measure_completion(Srv(), [1] * 8192, 512, True)
+    assert s["prefill_ubatch"] == 2048 and s["prefill_swap_ms"] == 310.5
+
+
+def fake_swap_run() -> dict:
+    """fake_run() as a prefill swap scenario on an emulated 24 GiB GPU."""
+    run = fake_run()
+    run["scenario"]["vram_budget_gib"] = 24.0
+    dev = {"device": 0, "name": "Test GPU", "total": 140 << 30, "free_before": 139 << 30, "held": 115 << 30,
+           "free_after": 24 << 30, "chunks": 115, "warning": None}
+    for a in run["arms"]:
+        a["ballast"] = {"budget_gib": 24.0, "budget_bytes": 24 << 30, "library": "libcudart.so.13", "api": "runtime",
+                        "ready_s": 1.5, "devices": [dev], "warning": None, "exit_status": 0}
+    run["arms"][2]["ballast"] = {"budget_gib": 24.0, "error": "the VRAM ballast did not report ready within 180 s"}
+    run["results"][1]["prefill_swap"] = {
+        "requests": 3, "swapped": 3, "prefill_ubatch": 2048,
+        "swap_ms": stats.summarize([310.0, 320.0, 330.0]),
+        "server": {"enabled": True, "n_ubatch": 2048, "min_tokens": 2048, "mode": "transaction", "warm_restore": True,
+                   "active": False, "n_ubatch_last": 2048, "swaps": 6, "total_ms": 1950.0, "warm_uploads": 4200,
+                   "skipped": {"short": 0, "others_generating": 0, "bypass": 0},
+                   "failed": {"reserve": 0, "restore": 1, "banks": 0, "upload": 0},
+                   "last": {"release_ms": 20.0, "reserve_ms": 15.5, "restore_ms": 290.0, "bytes_released": 12 << 30,
+                            "bytes_restored": 11 << 30, "n_slots": 96},
+                   "after_restore": {"tokens": 192, "hits": 1400, "misses": 136, "hit_rate": 1400 / 1536}}}
+    run["results"][0]["prefill_swap"] = {"requests": 3, "swapped": 0, "prefill_ubatch": None, "swap_ms": None,
+                                         "server": {"enabled": False, "swaps": 0}}
+    return run
+
+
+def test_report_shows_the_swap_columns_and_the_ballast():
+    text = report.render_markdown(fake_swap_run())
+    setup = text[:text.index("## Arms")]
+    assert "- VRAM budget: 24 GiB per GPU" in setup
+    assert "stock: held 115.00 GiB, 24.00 GiB free" in setup and "broken: FAILED" in setup
+    ballast = text[text.index("### VRAM ballast"):text.index("## Results")]
+    assert "| stock | 0 (Test GPU) | 140.00 | 139.00 | 115.00 | 24.00 |  |" in ballast
+    assert "| broken | - | - | - | - | - | FAILED: the VRAM ballast did not report ready within 180 s |" in ballast
+    results = text[text.index("## Results"):text.index("## Prefill swap")]
+    lines = [x for x in results.splitlines() if x.startswith("|")]
+    assert lines[0].endswith("| aggregate ratio | prefill ub | swap ms |")
+    assert lines[1].endswith("| ---: | ---: |")
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]  # "fast"
+    assert cells[0] == "fast" and cells[5:7] == ["2.00x", "2.00x"] and cells[-2:] == ["2048", "320"]
+    assert [c.strip() for c in lines[2].strip("|").split("|")][-2:] == ["-", "-"]  # the baseline did not swap
+    assert [c.strip() for c in lines[4].strip("|").split("|")][-2:] == ["-", "-"]  # the broken arm
+    assert len({len(x.strip("|").split("|")) for x in lines}) == 1
+    swap = text[text.index("## Prefill swap"):text.index("## Errors")]
+    rows = [x for x in swap.splitlines() if x.startswith("|")]
+    assert rows[0].startswith("| arm | prompt | mode | requests swapped | ubatch | swap ms | server swaps | release ms")
+    assert "| fast | `code` 2048 | transaction, warm | 3/3 | 2048 | 320 | 6 | 20.0 | 15.5 | 290 | 12.00 | 11.00 " \
+           "| 4200 | restore 1 | 0 | 91.1% |" in rows
+    assert "| stock | `code` 2048 | off | 0/3 | - | - | 0 |" in swap
+    assert len({len(x.strip("|").split("|")) for x in rows}) == 1
+
+
+def test_report_without_a_swap_or_a_budget_is_unchanged():
+    text = report.render_markdown(fake_run())
+    for needle in ("VRAM", "ballast", "Prefill swap", "prefill ub", "swap ms"):
+        assert needle not in text, needle
+    # a server that reports the swap switched off adds nothing either
+    run = fake_run()
+    run["results"][0]["prefill_swap"] = {"requests": 3, "swapped": 0, "prefill_ubatch": None, "swap_ms": None,
+                                         "server": {"enabled": False, "swaps": 0}}
+    assert "Prefill swap" not in report.render_markdown(run)

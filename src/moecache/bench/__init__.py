@@ -3,10 +3,13 @@
 Every arm of the scenario runs in one invocation, each against its own freshly started server,
 so the ratio of each arm to the baseline (stock path) arm is measured side by side. Each
 concurrency level of the scenario's `users` sends that many identical requests at once and adds
-the aggregate throughput; the server's speculation counters (drafted, accepted, steps off) are kept
-where it reports them. Results go to <out>/<YYYY-MM-DD>-<scenario>.md and .json (a later run on the
-same day: -2, -3, ...; never over an earlier run) with hardware, commits, model and server args.
-The scenario format is described in moecache.bench.scenario.
+the aggregate throughput; the server's speculation counters (drafted, accepted, steps off) and
+its prefill-phase swap (the ubatch a prompt ran at, the swap's cost, the cache's hit rate after
+the restore) are kept where it reports them. A VRAM budget (--vram-budget, vram_budget_gib)
+emulates a smaller GPU: a ballast process (moecache.bench.ballast) holds the rest of the GPU's
+memory while each arm's server runs. Results go to <out>/<YYYY-MM-DD>-<scenario>.md and .json (a
+later run on the same day: -2, -3, ...; never over an earlier run) with hardware, commits, model
+and server args. The scenario format is described in moecache.bench.scenario.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
                     "own llama-server on 127.0.0.1, real-text prompts (optionally in a template), prefill t/s, "
                     "time to first token, decode t/s and aggregate t/s at each concurrency level of `users` "
                     "(N identical requests at once), with the ratio of every arm to the baseline arm, and the "
-                    "server's speculation counters (drafted, accepted, steps off) where it reports them.",
+                    "server's speculation counters (drafted, accepted, steps off) and prefill-phase swap (ubatch, "
+                    "cost, hit rate after the restore) where it reports them. --vram-budget emulates a smaller GPU.",
     )
     p.add_argument("scenario", help="scenario file, e.g. benchmarks/scenarios/smoke.toml")
     p.add_argument("--arms", metavar="A,B",
@@ -49,6 +53,11 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="DIR",
                    help="folder for the .md and .json results (default: benchmarks/results next to the "
                         "scenarios folder)")
+    p.add_argument("--vram-budget", type=float, metavar="GIB",
+                   help="emulate a GPU with GIB GiB of memory: before each arm's server starts, a ballast process "
+                        "(python -m moecache.bench.ballast) holds all but GIB GiB of every visible GPU's free "
+                        "memory, and it is stopped after that server; the results record what it held. Overrides "
+                        "the scenario's vram_budget_gib; 0 turns a scenario's budget off. Needs a CUDA GPU")
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario and print the commands, the prompts and the model; start nothing")
     return p
@@ -85,6 +94,11 @@ def _run(args: argparse.Namespace) -> int:
             if args.warmup < 0:
                 raise ScenarioError("--warmup must be >= 0")
             sc.warmup = args.warmup
+        if args.vram_budget is not None:
+            if not args.vram_budget >= 0:
+                raise ScenarioError(f"--vram-budget must be a number of GiB >= 0 (0: no budget), "
+                                    f"got {args.vram_budget}")
+            sc.vram_budget_gib = args.vram_budget or None
         out_dir = Path(args.out) if args.out else default_out_dir(sc.path)
         run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run)
     except ScenarioError as e:

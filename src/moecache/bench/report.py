@@ -187,6 +187,109 @@ def _fmt_count(n: int | float | None) -> str:
     return "-" if n is None else f"{n:g}" if isinstance(n, float) else str(n)
 
 
+def _fmt_gib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _reasons(d: dict | None) -> str:
+    """Counters by reason: "0" when all are zero, else "reason N, ..." for the non-zero ones."""
+    if not d or all(v is None for v in d.values()):
+        return "-"
+    nz = [f"{k} {_fmt_count(v)}" for k, v in d.items() if v]
+    return ", ".join(nz) if nz else "0"
+
+
+def swapped_run(run: dict) -> bool:
+    """Whether any row of the run swapped its prompt or ran on a server with the swap enabled (then
+    the report has the swap's columns and its section)."""
+    for r in run["results"]:
+        ps = r.get("prefill_swap") if not r.get("error") else None
+        if ps and (ps.get("swapped") or (ps.get("server") or {}).get("swaps")
+                   or (ps.get("server") or {}).get("enabled")):
+            return True
+    return False
+
+
+def _swap_mode(server: dict | None) -> str:
+    if not server:
+        return "-"
+    if server.get("enabled") is False:
+        return "off"
+    mode = server.get("mode") or "?"
+    warm = server.get("warm_restore")
+    return mode + ("" if warm is None else ", warm" if warm else ", cold")
+
+
+def _ballast_lines(run: dict) -> list[str]:
+    """The VRAM ballast's table: per arm and device, what it held and what it left free."""
+    arms = [a for a in run["arms"] if a.get("ballast")]
+    if not arms:
+        return []
+    lines = ["", "### VRAM ballast", "",
+             "Before each arm's server started, a ballast process (`python -m moecache.bench.ballast`) allocated "
+             "all of every visible GPU's free memory but the budget and held it until that server had stopped, "
+             "so the server saw a GPU of about the budget's size (its own CUDA context then takes its share, as "
+             "on such a GPU).",
+             "",
+             "| arm | GPU | total GiB | free before GiB | held GiB | free after GiB | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for a in arms:
+        b = a["ballast"]
+        if b.get("error"):
+            error = _md_cell(b["error"].splitlines()[0])
+            lines.append(f"| {_md_cell(a['name'])} | - | - | - | - | - | FAILED: {error} |")
+            continue
+        for d in b.get("devices") or []:
+            gpu = f"{d.get('device')}" + (f" ({d['name']})" if d.get("name") else "")
+            lines.append(f"| {_md_cell(a['name'])} | {_md_cell(gpu)} | {_fmt_gib(d.get('total'))} "
+                         f"| {_fmt_gib(d.get('free_before'))} | {_fmt_gib(d.get('held'))} "
+                         f"| {_fmt_gib(d.get('free_after'))} | {_md_cell(d.get('warning') or '')} |")
+    return lines
+
+
+def _swap_lines(run: dict, concurrent: bool) -> list[str]:
+    """The prefill swap's section: per row, what the timings and the server's counters said."""
+    rows = [r for r in run["results"] if not r.get("error") and r.get("prefill_swap")]
+    lines = [
+        "## Prefill swap",
+        "",
+        "The prefill-phase swap per arm and prompt. From the timings of the timed requests: how many swapped "
+        "(requests swapped / timed requests), the ubatch the prompt ran at and the swap's cost "
+        "(`prefill_swap_ms`: release + reserve + restore, median). From the server's `/moe-cache` "
+        "(`prefill_swap`), over this row's requests (its TTFT requests included): the swaps, the last swap's "
+        "release / reserve / restore ms and the memory it released and restored, the experts the warm "
+        "restore uploaded, the swaps that failed or were skipped (by reason), and the cache's hit rate over "
+        "the first 64 decoded tokens after each restore.",
+        "",
+        "| arm | prompt | " + ("users | " if concurrent else "") + "mode | requests swapped | ubatch | swap ms "
+        "| server swaps | release ms | reserve ms | restore ms | released GiB | restored GiB | warm uploads "
+        "| failed | skipped | hit rate after restore |",
+        "| --- | --- | " + ("---: | " if concurrent else "") + "--- | " + " | ".join(["---:"] * 10)
+        + " | --- | --- | ---: |",
+    ]
+    for r in rows:
+        ps = r["prefill_swap"]
+        srv = ps.get("server") or {}
+        last = srv.get("last") or {}
+        after = srv.get("after_restore") or {}
+        users = f"{r.get('users', 1)} | " if concurrent else ""
+        swap_ms = (ps.get("swap_ms") or {}).get("median")
+        lines.append(
+            f"| {_md_cell(r['arm'])} | `{_md_cell(r['prompt'])}` {_length_short(r)} | {users}{_swap_mode(srv or None)} "
+            f"| {ps.get('swapped', 0)}/{ps.get('requests', 0)} | {_fmt_count(ps.get('prefill_ubatch'))} "
+            f"| {_fmt_ms(swap_ms)} | {_fmt_count(srv.get('swaps'))} | {_fmt_ms(last.get('release_ms'))} "
+            f"| {_fmt_ms(last.get('reserve_ms'))} | {_fmt_ms(last.get('restore_ms'))} "
+            f"| {_fmt_gib(last.get('bytes_released'))} | {_fmt_gib(last.get('bytes_restored'))} "
+            f"| {_fmt_count(srv.get('warm_uploads'))} | {_reasons(srv.get('failed'))} "
+            f"| {_reasons(srv.get('skipped'))} | {_fmt_rate(after.get('hit_rate'))} |")
+    lines.append("")
+    return lines
+
+
 def _length_short(r: dict) -> str:
     """A row's prompt length for tables: the count, or "whole (N)" for a whole-text prompt."""
     if r["length"] is not None:
@@ -199,6 +302,16 @@ def _length_title(length: int | None, rows: list[dict]) -> str:
         return f"{length} tokens"
     n = next((r["prompt_tokens"] for r in rows if r.get("prompt_tokens")), None)
     return "the whole text" + (f" ({n} tokens)" if n else "")
+
+
+def _ballast_short(a: dict) -> str:
+    b = a["ballast"]
+    if b.get("error"):
+        return f"{a['name']}: FAILED"
+    devs = b.get("devices") or []
+    return f"{a['name']}: " + ", ".join(
+        f"held {_fmt_gib(d.get('held'))} GiB, {_fmt_gib(d.get('free_after'))} GiB free" for d in devs) \
+        + (" (warning)" if b.get("warning") else "")
 
 
 def render_markdown(run: dict) -> str:
@@ -225,6 +338,10 @@ def render_markdown(run: dict) -> str:
         f"GPUs: {gpus}",
         f"- os: {hw.get('os')}, Python {hw.get('python')}",
         f"- model: {model['description']}: `{model['path']}` ({_fmt_bytes(model.get('size_bytes'))})",
+        *([f"- VRAM budget: {sc['vram_budget_gib']:g} GiB per GPU, emulated: a ballast process held the rest of "
+           f"every visible GPU's memory while each arm's server ran ("
+           + "; ".join(_ballast_short(a) for a in run["arms"] if a.get("ballast")) + ")"]
+          if sc.get("vram_budget_gib") else []),
         f"- started {run['started']}, finished {run.get('finished', '?')}",
         *([f"- **partial results**: written after {run['partial']}; the run ended before the next arm "
            f"finished (the arms after it have no rows)"] if run.get("partial") else []),
@@ -253,6 +370,7 @@ def render_markdown(run: dict) -> str:
             c = a.get("moe_cache") or {}
             cache = f" {_fmt_rate(c.get('hit_rate'))} | {_fmt_mib(c.get('bytes_vram'))} |"
         lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} |{cache} {_md_cell(note)} |")
+    lines += _ballast_lines(run)
     if cached:
         lines += [
             "",
@@ -305,23 +423,37 @@ def render_markdown(run: dict) -> str:
         if key not in cases:
             cases.append(key)
     users_head = "users | " if concurrent else ""
+    swapped = swapped_run(run)
+    if swapped:
+        lines += ["The last two columns are the prefill swap's: the ubatch the prompt ran at (`-`: it did not "
+                  "swap) and the swap's cost in ms (release + reserve + restore, included in TTFT); details "
+                  "in [Prefill swap](#prefill-swap).", ""]
+    swap_head = " prefill ub | swap ms |" if swapped else ""
     for prompt, length in cases:
         rows = [r for r in run["results"] if (r["prompt"], r["length"]) == (prompt, length)]
         rows.sort(key=lambda r: r.get("users", 1))  # stable: the arms' order within each level
         lines += [f"### `{prompt}` prompt, {_length_title(length, rows)}", "",
                   f"| arm | {users_head}" + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
-                  + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |",
-                  "| --- | " + ("---: | " if concurrent else "") + " | ".join(["---:"] * (2 * len(METRICS))) + " |"]
+                  + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |" + swap_head,
+                  "| --- | " + ("---: | " if concurrent else "") + " | ".join(["---:"] * (2 * len(METRICS))) + " |"
+                  + (" ---: | ---: |" if swapped else "")]
         for r in rows:
             name = r["arm"] + (" (baseline)" if r["arm"] == run["baseline"] else "")
             users = f"{r.get('users', 1)} | " if concurrent else ""
             if r.get("error"):
                 lines.append(f"| {_md_cell(name)} | {users}" + " | ".join("-" for _ in METRICS) + " | "
-                             + " | ".join("-" for _ in METRICS) + " |")
+                             + " | ".join("-" for _ in METRICS) + " |" + (" - | - |" if swapped else ""))
                 continue
+            swap = ""
+            if swapped:
+                ps = r.get("prefill_swap") or {}
+                swap = (f" {_fmt_count(ps.get('prefill_ubatch'))} "
+                        f"| {_fmt_ms((ps.get('swap_ms') or {}).get('median'))} |")
             lines.append(f"| {_md_cell(name)} | {users}" + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
-                         + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |")
+                         + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |" + swap)
         lines.append("")
+    if swapped:
+        lines += _swap_lines(run, concurrent)
     spec_rows = [r for r in run["results"] if not r.get("error") and r.get("speculation")]
     if any((r["speculation"].get("drafted") or 0) > 0 for r in spec_rows):
         lines += [

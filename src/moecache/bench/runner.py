@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..server import ServerError, ServerProcess, _server_binary, check_model_file, ensure_synth_model
+from .ballast import GIB, Ballast, BallastError, ballast_command
 from .report import display_path, git_commit, hardware, llama_cpp_commit, write_results
 from .scenario import Arm, ModelSpec, PromptSet, Scenario, ScenarioError
 from .stats import SPEC_KEYS, add_ratios, summarize, summarize_speculation
@@ -199,8 +200,9 @@ def measure_completion(srv: ServerProcess, tokens: list[int], max_tokens: int, i
         # one decoded token is not a rate
         "decode_tps": t.get("predicted_per_second") if (t.get("predicted_n") or 0) > 1 else None,
     }
-    # speculation counters, where the server reports them
-    sample.update({k: t[k] for k in SPEC_KEYS if isinstance(t.get(k), (int, float)) and not isinstance(t[k], bool)})
+    # speculation counters and the prefill-phase swap's (prefill_ubatch: only when the prompt swapped),
+    # where the server reports them
+    sample.update({k: t[k] for k in (*SPEC_KEYS, *SWAP_TIMINGS) if _num(t.get(k)) is not None})
     return sample
 
 
@@ -359,14 +361,165 @@ def moe_cache_summary(body: object) -> dict | None:
     return out
 
 
-def fetch_moe_cache(srv: ServerProcess) -> dict | None:
-    """The server's expert cache totals (moe_cache_summary of GET /moe-cache), or None when it has no
-    cache, no such endpoint, or does not answer."""
+def fetch_moe_cache_body(srv: ServerProcess) -> dict | None:
+    """The server's GET /moe-cache answer, or None when it has no such endpoint or does not answer."""
     try:
         status, body = srv.get("/moe-cache", timeout=30)
     except (OSError, http.client.HTTPException):
         return None
-    return moe_cache_summary(body) if status == 200 else None
+    return body if status == 200 and isinstance(body, dict) else None
+
+
+def fetch_moe_cache(srv: ServerProcess) -> dict | None:
+    """The server's expert cache totals (moe_cache_summary of GET /moe-cache), or None when it has no
+    cache, no such endpoint, or does not answer."""
+    return moe_cache_summary(fetch_moe_cache_body(srv))
+
+
+# --------------------------------------------------------------------------- the prefill-phase swap
+
+# what a completion's timings say about the swap: the ubatch the prompt ran at (absent when it did
+# not swap) and the release + reserve + restore milliseconds
+SWAP_TIMINGS = ("prefill_ubatch", "prefill_swap_ms")
+# /moe-cache's "prefill_swap" object: its settings, its cumulative counters (the groups by reason),
+# the last swap's numbers and the cache's routing over the first decoded tokens after each restore
+SWAP_SETTINGS = ("enabled", "n_ubatch", "min_tokens", "mode", "warm_restore", "active", "n_ubatch_last")
+SWAP_COUNTERS = ("swaps", "total_ms", "warm_uploads")
+SWAP_GROUPS = {"skipped": ("short", "others_generating", "bypass"),
+               "failed": ("reserve", "restore", "banks", "upload")}
+SWAP_LAST = ("release_ms", "reserve_ms", "restore_ms", "bytes_released", "bytes_restored", "n_slots")
+SWAP_AFTER = ("tokens", "hits", "misses")
+
+
+def _num(v):
+    """v when it is a number (not a bool), else None."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def prefill_swap_summary(body: object) -> dict | None:
+    """The "prefill_swap" object of a /moe-cache answer, with only the known fields (None for what
+    it lacks or has of the wrong type), or None when the answer has none. The skipped/failed groups
+    keep any other numeric reason the server adds."""
+    ps = body.get("prefill_swap") if isinstance(body, dict) else None
+    if not isinstance(ps, dict):
+        return None
+    out: dict = {}
+    for k in SWAP_SETTINGS:
+        v = ps.get(k)
+        if k in ("enabled", "warm_restore", "active"):
+            out[k] = v if isinstance(v, bool) else None
+        elif k == "mode":
+            out[k] = v if isinstance(v, str) else None
+        else:
+            out[k] = _num(v)
+    for k in SWAP_COUNTERS:
+        out[k] = _num(ps.get(k))
+    for group, keys in SWAP_GROUPS.items():
+        g = ps.get(group) if isinstance(ps.get(group), dict) else {}
+        out[group] = {k: _num(g.get(k)) for k in keys}
+        out[group].update({k: v for k, v in g.items() if k not in keys and _num(v) is not None})
+    last = ps.get("last")
+    out["last"] = {k: _num(last.get(k)) for k in SWAP_LAST} if isinstance(last, dict) else None
+    after = ps.get("after_restore")
+    out["after_restore"] = ({k: _num(after.get(k)) for k in (*SWAP_AFTER, "hit_rate")}
+                            if isinstance(after, dict) else None)
+    return out
+
+
+def fetch_prefill_swap(srv: ServerProcess) -> dict | None:
+    return prefill_swap_summary(fetch_moe_cache_body(srv))
+
+
+def _minus(a, b):
+    if a is None:
+        return None
+    return a - (b or 0)
+
+
+def prefill_swap_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The swap's counters between two prefill_swap_summary snapshots (before None: since the start):
+    swaps, total_ms, warm_uploads, each skipped/failed reason and the after-restore tokens, hits and
+    misses as differences, the after-restore hit rate of those, the settings as `after` has them, and
+    the last swap's numbers only when a swap happened in between (else None: they would be an earlier
+    one's)."""
+    if after is None:
+        return None
+    before = before or {}
+    out = {k: after.get(k) for k in SWAP_SETTINGS}
+    for k in SWAP_COUNTERS:
+        out[k] = _minus(after.get(k), before.get(k))
+    for group in SWAP_GROUPS:
+        b = before.get(group) or {}
+        out[group] = {k: _minus(v, b.get(k)) for k, v in (after.get(group) or {}).items()}
+    out["last"] = after.get("last") if (out["swaps"] or 0) > 0 else None
+    a, b = after.get("after_restore"), before.get("after_restore") or {}
+    if a is None:
+        out["after_restore"] = None
+    else:
+        d = {k: _minus(a.get(k), b.get(k)) for k in SWAP_AFTER}
+        seen = (d["hits"] or 0) + (d["misses"] or 0)
+        d["hit_rate"] = d["hits"] / seen if d["hits"] is not None and d["misses"] is not None and seen > 0 else None
+        out["after_restore"] = d
+    return out
+
+
+def row_prefill_swap(samples: list[dict], before: dict | None = None, after: dict | None = None) -> dict | None:
+    """A row's prefill swap: from the timings of its timed requests, how many swapped (reported a
+    prefill_ubatch), at which ubatch and the swap's cost (prefill_swap_ms of those); from the server,
+    its counters over the row's requests (prefill_swap_delta; the TTFT requests are among them).
+    None when neither the timings nor the server said anything about a swap."""
+    reqs = [r for s in samples for r in (s.get("requests") or [s])]
+    swapped = [r for r in reqs if r.get("prefill_ubatch") is not None]
+    server = prefill_swap_delta(before, after)
+    if not swapped and server is None and not any(r.get("prefill_swap_ms") is not None for r in reqs):
+        return None
+    return {
+        "requests": len(reqs),
+        "swapped": len(swapped),
+        "prefill_ubatch": max((r["prefill_ubatch"] for r in swapped), default=None),
+        "swap_ms": summarize(r.get("prefill_swap_ms") for r in swapped),
+        "server": server,
+    }
+
+
+def _swap_note(ps: dict) -> str:
+    """One line of an arm's prefill swap counters for the console."""
+    last = ps.get("last") or {}
+    after = ps.get("after_restore") or {}
+    failed = {k: v for k, v in (ps.get("failed") or {}).items() if v}
+    skipped = {k: v for k, v in (ps.get("skipped") or {}).items() if v}
+    ms = "/".join(_fmt(last.get(k)) for k in ("release_ms", "reserve_ms", "restore_ms"))
+    released = last.get("bytes_released")
+    released = "-" if released is None else f"{released / GIB:.2f}"
+    hr = after.get("hit_rate")
+    hr = "-" if hr is None else f"{hr:.3f}"
+    cold = ", cold restore" if ps.get("warm_restore") is False else ""
+    return (f"prefill swap ({ps.get('mode') or '?'}{cold}): {ps.get('swaps')} swaps, last release/reserve/restore "
+            f"{ms} ms, {released} GiB released, hit rate after restores {hr}"
+            + (f", failed: {failed}" if failed else "") + (f", skipped: {skipped}" if skipped else ""))
+
+
+# --------------------------------------------------------------------------- the VRAM ballast
+
+
+def ballast_record(ready: dict) -> dict:
+    """What the results keep of a ballast's ready line: the budget, the library, and per device its
+    total, free memory before, bytes held and free memory after; the devices' warnings joined."""
+    keep = ("device", "name", "total", "free_before", "held", "free_after", "chunks", "warning")
+    devices = [{k: d.get(k) for k in keep} for d in ready.get("devices") or [] if isinstance(d, dict)]
+    warnings = [d["warning"] for d in devices if d.get("warning")]
+    return {"budget_gib": ready.get("budget_gib"), "budget_bytes": ready.get("budget_bytes"),
+            "library": ready.get("library"), "api": ready.get("api"), "ready_s": ready.get("ready_s"),
+            "devices": devices, "warning": "; ".join(warnings) or None}
+
+
+def ballast_note(rec: dict) -> str:
+    """The console line of an arm's ballast record."""
+    devs = "; ".join(
+        f"GPU {d.get('device')}{' (' + d['name'] + ')' if d.get('name') else ''}: "
+        f"{d['total'] / GIB:.1f} GiB total, {d['free_before'] / GIB:.1f} free, held {d['held'] / GIB:.1f}, "
+        f"{d['free_after'] / GIB:.2f} GiB free" for d in rec.get("devices") or [])
+    return f"VRAM budget {rec.get('budget_gib'):g} GiB: ballast ready in {rec.get('ready_s')} s, {devs or 'no devices'}"
 
 
 # --------------------------------------------------------------------------- the run
@@ -417,6 +570,8 @@ def _progress(prompt: str, length: int | None, users: int, rep: int, reps: int, 
         off = [f"{k[len('draft_off_'):]} {s[k]}" for k in ("draft_off_load", "draft_off_accept") if s.get(k)]
         if off:
             spec += f", steps off: {', '.join(off)}"
+    if s.get("prefill_ubatch") is not None:
+        spec += f", prompt swapped to ubatch {s['prefill_ubatch']} ({_fmt(s.get('prefill_swap_ms'), ' ms')})"
     head = f"  {prompt} {length_label(length) if length is not None else f'{n_tokens} tok (whole text)'}"
     if users == 1:
         return (f"{head}, rep {rep + 1}/{reps}: prefill {_fmt(s['prefill_tps'])} t/s, TTFT "
@@ -443,7 +598,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             "name": sc.name, "description": sc.description, "file": display_path(sc.path),
             "max_tokens": sc.max_tokens, "repetitions": sc.repetitions, "warmup": sc.warmup,
             "users": sc.users, "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args,
-            "env": sc.env,
+            "env": sc.env, "vram_budget_gib": sc.vram_budget_gib,
             "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths,
                          **({"template": p.template} if p.template is not None else {})}
                         for p in sc.prompts],
@@ -479,6 +634,10 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             cmd = " ".join(shlex.quote(x) for x in [exe, "-m", str(model_path), "--host", "127.0.0.1",
                                                      "--port", "FREE_PORT", *a["server_args"]])
             say(f"  arm {a['name']}{' (baseline)' if a['baseline'] else ''}: {env + ' ' if env else ''}{cmd}")
+        if sc.vram_budget_gib:
+            say(f"  VRAM budget {sc.vram_budget_gib:g} GiB: before each arm's server starts, "
+                f"{' '.join(shlex.quote(x) for x in ballast_command(sc.vram_budget_gib))} holds all but "
+                f"{sc.vram_budget_gib:g} GiB of every visible GPU's free memory; it stops after that server")
         for ps, n in cases:
             tpl = f" in the template {ps.template!r}" if ps.template is not None else ""
             say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'} from "
@@ -492,87 +651,125 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
     for ai, (arm, srv, rec) in enumerate(zip(sc.arms, servers, run["arms"])):
         say(f"[{ai + 1}/{len(sc.arms)}] arm '{arm.name}'{' (baseline)' if arm.baseline else ''}: starting "
             f"llama-server {' '.join(shlex.quote(x) for x in rec['server_args'])}")
-        t0 = time.monotonic()
+        ballast = None
         try:
-            srv.start()
-        except (ServerError, FileNotFoundError) as e:
-            any_failed = True
-            rec["error"] = str(e).splitlines()[0]
-            rec["command"] = shown_command(srv)
-            say(f"  FAILED to start: {e}")
-            for ps, n in cases:
-                for users in sc.users:
-                    run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
-                                           "error": rec["error"]})
-            srv.cleanup()
-            continue
-        rec["command"] = shown_command(srv)
-        rec["start_s"] = round(time.monotonic() - t0, 2)
-        say(f"  ready in {rec['start_s']:.1f} s at {srv.url}")
-        try:
-            n_ctx, n_slots = server_props(srv)
-            rec["n_ctx"] = n_ctx
-            rec["n_slots"] = n_slots
-            if n_ctx is not None and n_ctx < sc.max_context():
-                raise ScenarioError(
-                    f"arm '{arm.name}': the server's context is {n_ctx} tokens, but the longest prompt plus "
-                    f"max_tokens needs {sc.max_context()}. Fix: add \"-c\", \"{sc.max_context()}\" to server_args.")
-            if n_slots is not None and n_slots < max(sc.users):
-                raise ScenarioError(
-                    f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
-                    f"requests at once (the others would wait in a queue). Fix: add \"-np\", "
-                    f"\"{max(sc.users)}\" to server_args (and a -c that holds that many prompts).")
-            for ps, n in cases:
-                rows = [{"arm": arm.name, "prompt": ps.name, "length": n, "users": users, "samples": []}
-                        for users in sc.users]
-                run["results"].extend(rows)
-                current = 0  # the row being measured: it and the ones after it get an error
+            if sc.vram_budget_gib:
+                # before the server, so that it sees the reduced memory; stopped after it (finally below)
+                ballast = Ballast(sc.vram_budget_gib, env=arm_env(sc, arm))
                 try:
-                    tokens = prompts.get(srv, ps, n)
-                    for row in rows:
-                        row["prompt_tokens"] = len(tokens)
-                    if n_ctx is not None and n_ctx < sc.needed_context(len(tokens)):
-                        raise ScenarioError(
-                            f"arm '{arm.name}': the server's context is {n_ctx} tokens, but prompt '{ps.name}' "
-                            f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
-                            f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
-                    for _ in range(sc.warmup):
-                        measure_completion(srv, tokens, min(sc.max_tokens, 16), sc.ignore_eos)
-                    for current, row in enumerate(rows):
-                        users = row["users"]
-                        for rep in range(sc.repetitions):
-                            s = measure_repetition(srv, tokens, sc.max_tokens, sc.ignore_eos, users)
-                            if sc.ttft and users == 1:
-                                s["ttft_ms"] = measure_ttft(srv, tokens, sc.ignore_eos)
-                            row["samples"].append(s)
-                            say(_progress(ps.name, n, users, rep, sc.repetitions, s, len(tokens)))
-                        finish_row(row)
-                except (BenchError, OSError, http.client.HTTPException) as e:
+                    rec["ballast"] = ballast_record(ballast.start())
+                except BallastError as e:
+                    if e.no_cuda:
+                        raise BenchError(f"--vram-budget needs a CUDA GPU: {e}") from None
                     any_failed = True
-                    for row in rows[current:]:
-                        row["error"] = str(e)
-                    say(f"  FAILED: {e}")
-                    if srv.proc is not None and srv.proc.poll() is not None:
-                        say(f"  the server exited (status {srv.proc.returncode}); last log lines:\n{srv._tail(20)}")
-                        rec["error"] = f"server exited with status {srv.proc.returncode} during {ps.name} " \
-                                       f"{length_label(n)}"
-                        break
+                    rec["ballast"] = {"budget_gib": sc.vram_budget_gib, "error": str(e)}
+                    rec["error"] = f"VRAM ballast: {str(e).splitlines()[0]}"
+                    say(f"  FAILED: {rec['error']}\n{e}")
+                    for ps, n in cases:
+                        for users in sc.users:
+                            run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n,
+                                                   "users": users, "error": rec["error"]})
                     continue
-            # the expert cache's counters over all of the arm's requests (warm-ups included)
-            cache = fetch_moe_cache(srv) if srv.proc is not None and srv.proc.poll() is None else None
-            if cache:
-                rec["moe_cache"] = cache
-                hr, mib = cache.get("hit_rate"), cache.get("bytes_vram")
-                say(f"  expert cache: hit rate {'-' if hr is None else f'{hr:.3f}'}, "
-                    f"{cache.get('uploads')} uploads, {cache.get('evictions')} evictions, "
-                    f"{'-' if mib is None else f'{mib / 2**20:.1f}'} MiB of slots")
-        finally:
-            rc = srv.stop()
-            rec["exit_status"] = rc
-            if rec.get("error"):
-                say(f"  server log kept at {srv.log_path}")
-            else:
+                say("  " + ballast_note(rec["ballast"]))
+                if rec["ballast"].get("warning"):
+                    say(f"  WARNING: {rec['ballast']['warning']}")
+            t0 = time.monotonic()
+            try:
+                srv.start()
+            except (ServerError, FileNotFoundError) as e:
+                any_failed = True
+                rec["error"] = str(e).splitlines()[0]
+                rec["command"] = shown_command(srv)
+                say(f"  FAILED to start: {e}")
+                for ps, n in cases:
+                    for users in sc.users:
+                        run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
+                                               "error": rec["error"]})
                 srv.cleanup()
+                continue
+            rec["command"] = shown_command(srv)
+            rec["start_s"] = round(time.monotonic() - t0, 2)
+            say(f"  ready in {rec['start_s']:.1f} s at {srv.url}")
+            try:
+                n_ctx, n_slots = server_props(srv)
+                rec["n_ctx"] = n_ctx
+                rec["n_slots"] = n_slots
+                if n_ctx is not None and n_ctx < sc.max_context():
+                    raise ScenarioError(
+                        f"arm '{arm.name}': the server's context is {n_ctx} tokens, but the longest prompt plus "
+                        f"max_tokens needs {sc.max_context()}. Fix: add \"-c\", \"{sc.max_context()}\" to server_args.")
+                if n_slots is not None and n_slots < max(sc.users):
+                    raise ScenarioError(
+                        f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
+                        f"requests at once (the others would wait in a queue). Fix: add \"-np\", "
+                        f"\"{max(sc.users)}\" to server_args (and a -c that holds that many prompts).")
+                for ps, n in cases:
+                    rows = [{"arm": arm.name, "prompt": ps.name, "length": n, "users": users, "samples": []}
+                            for users in sc.users]
+                    run["results"].extend(rows)
+                    current = 0  # the row being measured: it and the ones after it get an error
+                    try:
+                        tokens = prompts.get(srv, ps, n)
+                        for row in rows:
+                            row["prompt_tokens"] = len(tokens)
+                        if n_ctx is not None and n_ctx < sc.needed_context(len(tokens)):
+                            raise ScenarioError(
+                                f"arm '{arm.name}': the server's context is {n_ctx} tokens, but prompt '{ps.name}' "
+                                f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
+                                f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
+                        for _ in range(sc.warmup):
+                            measure_completion(srv, tokens, min(sc.max_tokens, 16), sc.ignore_eos)
+                        for current, row in enumerate(rows):
+                            users = row["users"]
+                            swap_before = fetch_prefill_swap(srv)
+                            for rep in range(sc.repetitions):
+                                s = measure_repetition(srv, tokens, sc.max_tokens, sc.ignore_eos, users)
+                                if sc.ttft and users == 1:
+                                    s["ttft_ms"] = measure_ttft(srv, tokens, sc.ignore_eos)
+                                row["samples"].append(s)
+                                say(_progress(ps.name, n, users, rep, sc.repetitions, s, len(tokens)))
+                            finish_row(row)
+                            swap = row_prefill_swap(row["samples"], swap_before,
+                                                    fetch_prefill_swap(srv) if swap_before is not None else None)
+                            if swap:
+                                row["prefill_swap"] = swap
+                    except (BenchError, OSError, http.client.HTTPException) as e:
+                        any_failed = True
+                        for row in rows[current:]:
+                            row["error"] = str(e)
+                        say(f"  FAILED: {e}")
+                        if srv.proc is not None and srv.proc.poll() is not None:
+                            say(f"  the server exited (status {srv.proc.returncode}); last log lines:\n{srv._tail(20)}")
+                            rec["error"] = f"server exited with status {srv.proc.returncode} during {ps.name} " \
+                                           f"{length_label(n)}"
+                            break
+                        continue
+                # the expert cache's counters over all of the arm's requests (warm-ups included)
+                body = fetch_moe_cache_body(srv) if srv.proc is not None and srv.proc.poll() is None else None
+                cache = moe_cache_summary(body)
+                swap = prefill_swap_summary(body)
+                if swap:
+                    rec["prefill_swap"] = swap
+                    if swap.get("enabled") or swap.get("swaps"):
+                        say("  " + _swap_note(swap))
+                if cache:
+                    rec["moe_cache"] = cache
+                    hr, mib = cache.get("hit_rate"), cache.get("bytes_vram")
+                    say(f"  expert cache: hit rate {'-' if hr is None else f'{hr:.3f}'}, "
+                        f"{cache.get('uploads')} uploads, {cache.get('evictions')} evictions, "
+                        f"{'-' if mib is None else f'{mib / 2**20:.1f}'} MiB of slots")
+            finally:
+                rc = srv.stop()
+                rec["exit_status"] = rc
+                if rec.get("error"):
+                    say(f"  server log kept at {srv.log_path}")
+                else:
+                    srv.cleanup()
+        finally:
+            if ballast is not None:
+                rc = ballast.stop()
+                if isinstance(rec.get("ballast"), dict):
+                    rec["ballast"]["exit_status"] = rc
         # arms that broke off still list every prompt case, so tables stay complete
         have = {(r["prompt"], r["length"], r["users"]) for r in run["results"] if r["arm"] == arm.name}
         for ps, n in cases:

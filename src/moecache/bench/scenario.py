@@ -10,6 +10,8 @@ r"""Benchmark scenarios: a TOML file that names a model, real-text prompts and t
     warmup = 1                           # untimed requests per arm and prompt first
     users = [1, 3]                       # concurrency levels (default [1]), see below
     server_args = ["-c", "1024"]         # given to every arm's server (before the arm's args)
+    vram_budget_gib = 24                 # optional: emulate a 24 GiB GPU (a ballast process holds the
+                                         # rest of every visible GPU while each arm runs)
 
     [[prompts]]
     name = "code"
@@ -88,6 +90,8 @@ TOP_KEYS = {
     "server_args": "llama-server arguments shared by every arm (placed before the arm's args)",
     "env": "environment variables shared by every arm",
     "start_timeout": "seconds to wait for each server to become healthy (default 600)",
+    "vram_budget_gib": "GiB of GPU memory each arm's server may use: a ballast process holds the rest of every "
+                       "visible GPU while the arm runs (emulates a smaller GPU; --vram-budget overrides)",
     "arms": "[[arms]] with name, args, env, baseline",
 }
 MODEL_KEYS = {"synth", "quant", "seed", "package"}
@@ -158,6 +162,7 @@ class Scenario:
     env: dict[str, str]
     start_timeout: float
     arms: list[Arm]
+    vram_budget_gib: float | None = None  # GPU memory left free for each arm's server (a ballast holds the rest)
 
     @property
     def baseline(self) -> Arm:
@@ -342,6 +347,13 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
     if len(set(users)) != len(users):
         raise ScenarioError(_where(path, f"users must not repeat a level, got {users}"))
 
+    budget = data.get("vram_budget_gib")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+            raise ScenarioError(_where(path, f"vram_budget_gib must be a number of GiB above 0, e.g. 24, got "
+                                             f"{budget!r} (leave it out to give the servers the whole GPU)"))
+        budget = float(budget)
+
     return Scenario(
         path=path,
         name=name,
@@ -358,6 +370,7 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         env=_env(path, "env", data.get("env", {})),
         start_timeout=float(_typed(path, "start_timeout", data.get("start_timeout", 600), (int, float), "seconds")),
         arms=arms,
+        vram_budget_gib=budget,
     )
 
 
