@@ -2,7 +2,7 @@
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
 #   benchmarks/gpu/run.sh [build] [test] [diag] [backend-ops] [model] [bench SCENARIO...]
-#   (default: build test backend-ops model bench)
+#   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
 # .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
@@ -95,7 +95,8 @@ while [ $i -lt ${#phases[@]} ]; do
         [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)
         for s in "${scenarios[@]}"; do
             log "bench: $s"
-            python3 -m moecache bench "$s" --out "$out" 2>&1 | tee -a "$out/bench.log" | tail -30
+            # shellcheck disable=SC2086 # BENCH_ARGS: extra flags of moecache bench, e.g. "--vram-budget 16"
+            python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
     *) echo "unknown phase '$phase' (build, test, diag, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
