@@ -102,6 +102,9 @@ def test_bypass_mode_decides_but_keeps_the_ubatch(tiny_model, stock_small):
         st = swap_stats(srv)
     assert [logprobs(o) for o in outs] == [logprobs(o) for o in stock_small]
     assert st["swaps"] == 0 and st["skipped"]["bypass"] == 2 and st["mode"] == "bypass"
+    # counted once per prompt, not per batch: each long prompt takes two batches of -b 256, and its
+    # second batch (under the threshold by itself) is no new decision
+    assert st["skipped"]["short"] == 1
 
 
 @pytest.mark.parametrize("step", ["reserve", "restore", "banks", "upload"])
