@@ -62,8 +62,13 @@ def first_step(out):
 def test_a_long_prompt_runs_at_the_prefill_ubatch_and_equals_the_stock_path_there(tiny_model, stock_big, stock_small):
     with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=HOST, timeout=120) as srv:
         outs = requests(srv)
-        st = swap_stats(srv)
+        cache = cache_stats(srv)
+        st = cache["prefill_swap"]
         status, metrics = srv.get("/metrics")
+    # the cache's own counters go on through the swaps: the recent window is kept, the prompts'
+    # ubatches (3 of them per long prompt: 128 + 128 + the rest) count as batches it did not take
+    assert cache["total"]["hit_rate_recent"] > 0
+    assert cache["total"]["batches_bypassed"]["batch"] >= 6
     assert outs[0]["timings"]["prefill_ubatch"] == PREFILL_UB
     assert outs[0]["timings"]["prefill_swap_ms"] > 0
     assert "prefill_ubatch" not in outs[1]["timings"]
