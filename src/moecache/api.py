@@ -294,7 +294,7 @@ PREFILL_SWAP_OPTIONS: dict[str, FeatureOption] = {
         "--prefill-ubatch", "LLAMA_ARG_PREFILL_UBATCH", ("LLAMA_PHASE_PREFILL_UBATCH",), 0, 0, _INT32_MAX,
         "ubatch of long prompts, at most n_batch (0 = off)"),
     "prefill_min_tokens": FeatureOption(
-        "--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS", ("LLAMA_PHASE_PREFILL_MIN_TOKENS",), 2048, 1,
+        "--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS", ("LLAMA_PHASE_PREFILL_MIN_TOKENS",), 1024, 1,
         _INT32_MAX, "prompts of fewer tokens keep n_ubatch"),
     "prefill_swap_mode": FeatureOption(
         "--prefill-swap-mode", "LLAMA_ARG_PREFILL_SWAP_MODE", ("LLAMA_PHASE_PREFILL_MODE",), "transaction", None, None,

@@ -247,3 +247,14 @@ def test_layers_on_two_devices_swap_each_device(tiny_model, llama_server_bin, fr
     assert st["swaps"] == 2 and not any(st["failed"].values())
     assert st["last"]["bytes_released"] > 0 and st["last"]["bytes_restored"] > 0
     assert first_step(out) == first_step(ref) and out["tokens"] == ref["tokens"] == again["tokens"]
+
+
+def test_the_server_and_the_python_api_share_the_defaults(tiny_model):
+    from moecache import api
+
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["-ub", str(UB), "--prefill-ubatch", str(PREFILL_UB)], env=HOST,
+                       timeout=120) as srv:
+        st = swap_stats(srv)
+    defaults = {name: o.default for name, o in api.PREFILL_SWAP_OPTIONS.items()}
+    assert st["min_tokens"] == defaults["prefill_min_tokens"]
+    assert st["mode"] == defaults["prefill_swap_mode"] and st["warm_restore"] == defaults["prefill_warm_restore"]

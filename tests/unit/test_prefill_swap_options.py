@@ -8,7 +8,7 @@ import pytest
 
 from moecache import api
 
-DEFAULTS = {"prefill_ubatch": 0, "prefill_min_tokens": 2048, "prefill_swap_mode": "transaction",
+DEFAULTS = {"prefill_ubatch": 0, "prefill_min_tokens": 1024, "prefill_swap_mode": "transaction",
             "prefill_warm_restore": True}
 
 

@@ -1245,7 +1245,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_rebalance_interval") = 40, py::arg("moe_cache_max_batch") = 8,
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
              py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
-             py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 2048,
+             py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
