@@ -92,3 +92,21 @@ def test_the_compute_buffer_holds_logits_for_one_output(tiny_model, capfd):
     mib = [float(x) for x in re.findall(r"CPU compute buffer size =\s*([0-9.]+) MiB", log)]
     all_logits_mib = 2048 * m.n_vocab * 4 / 2**20
     assert mib and max(mib) < all_logits_mib / 8, (mib, all_logits_mib)
+
+
+def test_pinned_experts_stay_pinned_across_a_swap(model):
+    import numpy as np
+
+    # no rebalance during the few decoded tokens: what is resident after them is what the restore brought
+    ctx = model.context(**CTX, **SWAP, **{**CACHE, "moe_cache_rebalance_interval": 10000})
+    # the expert of layer 1 that the prompt routes least: the warm restore alone would not bring it back
+    ids = ctx.trace_routing(LONG)[:, ctx.moe_layers.index(1), :]
+    counts = np.bincount(ids.ravel(), minlength=model.n_expert)
+    expert = int(np.argmin(counts))
+    assert counts[expert] < np.sort(counts)[-CACHE["moe_cache_slots"]]  # not among the slots' worth of top experts
+    ctx.expert_cache.pin(1, expert)
+    ctx.expert_cache.rebalance()
+    assert expert in ctx.expert_cache.resident(1)
+    ctx.generate(LONG, max_tokens=8)
+    assert ctx.prefill_swap.stats()["swaps"] == 1
+    assert expert in ctx.expert_cache.resident(1)

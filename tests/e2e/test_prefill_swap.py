@@ -279,3 +279,50 @@ def test_with_ngram_drafts_the_swap_gives_the_stock_output(gemma_model, llama_se
     assert all(o["timings"].get("draft_n_accepted", 0) > 0 for o in got), "no draft was accepted: nothing is checked"
     assert [o["tokens"] for o in got] == [o["tokens"] for o in ref]
     assert first_step(got[0]) == first_step(ref[0])
+
+
+def test_graphs_that_do_not_fit_beside_the_banks_bring_them_back_with_half_the_slots(tiny_model, stock_big):
+    env = {**HOST, "LLAMA_PREFILL_SWAP_FAIL": "graphs"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        first = complete(srv, LONG, n_predict=16)
+        st1 = swap_stats(srv)
+        rest = [complete(srv, SHORT, n_predict=16), complete(srv, LONG, n_predict=16)]
+        st2 = swap_stats(srv)
+        log = srv.log_text()
+    assert "injected: LLAMA_PREFILL_SWAP_FAIL=graphs" in log and "trying with half of them" in log
+    assert st1["failed"]["banks"] == 1 and st1["last"]["n_slots"] == N_EXPERT // 4
+    assert st2["last"]["n_slots"] == N_EXPERT // 2  # the next restore asks for the full size again
+    assert [o["tokens"] for o in [first] + rest] == [o["tokens"] for o in stock_big]
+
+
+def test_an_injected_upload_failure_without_warm_restore_fails_nothing(tiny_model):
+    """No warm upload to fail: the injection must not hit a later ordinary upload."""
+    env = {**HOST, "LLAMA_PREFILL_SWAP_FAIL": "upload"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE + ["--no-prefill-warm-restore"], env=env,
+                       timeout=120) as srv:
+        requests(srv)
+        cache = cache_stats(srv)
+    assert cache["prefill_swap"]["failed"]["upload"] == 0 and cache["prefill_swap"]["warm_uploads"] == 0
+    assert all(layer["cached"] for layer in cache["layers"]), [layer.get("reason") for layer in cache["layers"]]
+
+
+def test_a_sliding_window_model_holds_the_prefill_ubatch(gemma_model, llama_server_bin):
+    """Gemma 3's sliding-window KV cache holds n_swa + n_ubatch cells (512 + 32, padded to 768): with the
+    swap configured it is made for the prefill ubatch, so a prompt longer than the window runs at 512
+    (a 512-token ubatch needs 512 + 512 cells: it did not fit, and the server retried smaller batches)."""
+    from test_spec_gating import CODE
+
+    prompt = CODE * 8  # about 1150 tokens: more than the window of 512 + the prefill ubatch of 512
+    args = ["-t", "2", "-c", "2048", "-b", "512", "-np", "1", "-ngl", "0"]
+    with ServerProcess(gemma_model, args=args + ["-ub", "512"], timeout=120) as srv:
+        ref = complete(srv, prompt, n_predict=16)
+    with ServerProcess(gemma_model, args=args + ["-ub", "32", "--prefill-ubatch", "512", "--prefill-min-tokens", "64"],
+                       timeout=120) as srv:
+        out = complete(srv, prompt, n_predict=16)
+        st = swap_stats(srv)
+        log = srv.log_text()
+    assert ref["timings"]["prompt_n"] > 1024
+    assert "failed to find free space" not in log and "retrying with smaller batch size" not in log
+    assert st["swaps"] == 1 and out["timings"]["prefill_ubatch"] == 512
+    assert out["tokens"] == ref["tokens"]
+    assert first_step(out) == first_step(ref)
