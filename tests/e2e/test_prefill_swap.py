@@ -6,7 +6,7 @@ slot generating makes the swap wait; bypass mode changes nothing; the stats and 
 
 Fault injection: LLAMA_PREFILL_SWAP_FAIL=<step>[:N] fails that step of the N-th swap (reserve: the
 prefill ubatch's compute buffers; restore: the decode compute buffers; banks: the cache's banks;
-upload: an upload of the warm restore).
+graphs: the reservation beside the restored banks; upload: an upload of the warm restore).
 """
 
 from __future__ import annotations
