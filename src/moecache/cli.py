@@ -11,13 +11,14 @@ SUBCOMMANDS = {
     "server": ("moecache.server", "run moecache-server (same as the moecache-server command)"),
     "info": ("moecache.info", "show the build, the devices and the system info"),
     "cache-sim": ("moecache.cache_sim", "replay a routing trace through the hot-expert cache's policies"),
+    "calibrate-routing": ("moecache.routing_calibration", "fit a synthetic preset's routing strength to published LRU hit rates"),
 }
 
 
 def usage() -> str:
     lines = ["usage: moecache <command> [options]", "       moecache --version", "", "commands:"]
     for name, (_, text) in SUBCOMMANDS.items():
-        lines.append(f"  {name:<10} {text}")
+        lines.append(f"  {name:<17} {text}")
     lines += ["", "options:", f"  {'--version':<10} print the moecache version and the llama.cpp pin, then exit",
               "", "Run `moecache <command> --help` for the options of a command."]
     return "\n".join(lines)

@@ -96,6 +96,13 @@ PRESETS: dict[str, Preset] = {
                     "~16 GiB at q4_0, ~30 GiB at q8_0",
         n_layer=48, n_embd=2048, n_expert=128, n_expert_used=8, n_ff_exp=768, n_ff=6144,
         n_head=32, n_head_kv=4, head_dim=128, n_ctx_train=40960),
+    "qwen3-next-80b-a3b": Preset(
+        name="qwen3-next-80b-a3b",
+        description="Qwen3-Next-80B-A3B's expert shapes as a qwen3moe (its linear-attention layers and shared "
+                    "expert are not modelled): 48 layers, d_model 2048, 512 experts (top-10), expert FFN 512, "
+                    "16 heads of 256 (2 KV); ~41 GiB at q4_0",
+        n_layer=48, n_embd=2048, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff=5120,
+        n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=262144),
 }
 
 # quant types written directly, and general.file_type (enum llama_ftype) of each
