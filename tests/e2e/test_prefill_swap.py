@@ -326,3 +326,40 @@ def test_a_sliding_window_model_holds_the_prefill_ubatch(gemma_model, llama_serv
     assert st["swaps"] == 1 and out["timings"]["prefill_ubatch"] == 512
     assert out["tokens"] == ref["tokens"]
     assert first_step(out) == first_step(ref)
+
+
+def test_a_request_cancelled_during_its_swapped_prompt_ends_the_swap(tiny_model, stock_big):
+    """The client goes away while its long prompt runs under the swap (it streams prompt progress, so
+    the server notices at the next batch): the slot is released with the prompt half done, the swap
+    ends at the next iteration, and the server answers the next request with the stock output."""
+    import http.client
+    import json as _json
+
+    args = BASE_ARGS[:] + SWAP + CACHE
+    args[args.index("-b") + 1] = "32"  # many small batches: the prompt takes long enough to be cut off
+    args[args.index("-ub") + 1] = "8"
+    args[args.index("--prefill-ubatch") + 1] = "32"
+    long_prompt = LONG * 6  # ~1800 tokens
+    with ServerProcess(tiny_model, args=args + ["-c", "4096"], env=HOST, timeout=120) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        body = {"prompt": long_prompt, "n_predict": 8, "stream": True, "return_progress": True, "cache_prompt": False}
+        conn.request("POST", "/completion", body=_json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        first = resp.read(5)  # the first progress event: the prompt is running, under the swap
+        conn.sock.shutdown(2)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            st = swap_stats(srv)
+            if not st["active"] and st["swaps"] >= 1:
+                break
+            time.sleep(0.05)
+        after = complete(srv, LONG, n_predict=16)
+        st = swap_stats(srv)
+        log = srv.log_text()
+    assert first.startswith(b"data:"), first
+    assert st["active"] is False and st["swaps"] == 2 and not any(st["failed"].values()), st
+    # the request was cancelled with its prompt part done (under the swap), not after it
+    released = [int(n) for n in re.findall(r"task 0 \| stop processing: n_tokens = (\d+)", log)]
+    assert "cancel task" in log and released and released[0] < 1000, released
+    assert after["tokens"] == stock_big[0]["tokens"]
