@@ -255,8 +255,6 @@ class FeatureOption:
         return f"environment variable {var}" + (f" (the old name of {self.env})" if var != self.env else "")
 
 
-MoeCacheOption = FeatureOption  # the name of the first feature's table entries
-
 # Python argument -> its option: the one place that maps the cache's flags, variables and arguments
 MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
     "moe_cache_slots": FeatureOption(
@@ -317,10 +315,6 @@ def _choice(option: FeatureOption, value, source: str) -> str:
     if isinstance(value, str) and value in option.choices:
         return value
     raise ValueError(f"{source} must be one of {', '.join(repr(p) for p in option.choices)} (got {value!r})")
-
-
-def _moe_cache_policy(value, source: str) -> str:
-    return _choice(MOE_CACHE_OPTIONS["moe_cache_policy"], value, source)
 
 
 def _feature_options(table: dict[str, FeatureOption], feature: str, kwargs=None, environ=None) -> dict:
