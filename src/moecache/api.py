@@ -215,6 +215,7 @@ FLASH_ATTN_VALUES = ("auto", "on", "off")
 #
 
 MOE_CACHE_POLICIES = ("freq", "lru")
+MOE_CACHE_MISS_VALUES = ("cpu", "gpu", "auto")
 PREFILL_SWAP_MODES = ("transaction", "bypass")
 _INT32_MAX = 2**31 - 1
 _TRUE_WORDS = ("on", "enabled", "true", "1")    # as llama.cpp's is_truthy / is_falsey
@@ -284,6 +285,13 @@ MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
     "moe_cache_headroom_mib": FeatureOption(
         "--moe-cache-headroom", "LLAMA_ARG_MOE_CACHE_HEADROOM", (), 512, 0, _INT32_MAX,
         "device memory in MiB left free after the slot banks, which take what the context leaves"),
+    "moe_cache_miss": FeatureOption(
+        "--moe-cache-miss", "LLAMA_ARG_MOE_CACHE_MISS", (), "cpu", None, None,
+        "where misses run: 'cpu', 'gpu' (the GPU reads the host experts in place) or 'auto' (per layer)",
+        choices=MOE_CACHE_MISS_VALUES),
+    "moe_cache_miss_auto_pct": FeatureOption(
+        "--moe-cache-miss-auto-pct", "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT", (), 25, 0, 100,
+        "miss 'auto': a layer's misses run on the GPU while they are at most this % of its routed experts"),
 }
 
 # the prefill-phase swap's options (the public write-up's LLAMA_PHASE_PREFILL_* names are aliases)
@@ -544,10 +552,14 @@ class Context:
     `moe_cache_rebalance_interval` tokens) or "lru" (an expert is uploaded after
     `moe_cache_admit_misses` misses within `moe_cache_admit_window` tokens); at most
     `moe_cache_max_uploads` uploads per layer and step; the banks are sized after the KV cache and
-    the compute buffers, from the device memory then free minus `moe_cache_headroom_mib`. An option
+    the compute buffers, from the device memory then free minus `moe_cache_headroom_mib`.
+    `moe_cache_miss` says where the misses run: "cpu" (a round trip to the CPU per cached layer),
+    "gpu" (the layer's GPU reads the missed experts in host memory in place, pinned at start-up) or
+    "auto" (per layer, on the GPU while its recent misses are at most `moe_cache_miss_auto_pct` % of
+    its routed experts). An option
     left as None takes its environment variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_CACHE_SLOTS,
     LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
-    (0, 0, "freq", 40, 8, 2, 16, 2, 512).
+    (0, 0, "freq", 40, 8, 2, 16, 2, 512, "cpu", 25).
     `self.expert_cache` reports and steers the cache.
 
     Prefill-phase swap (off by default, PREFILL_SWAP_OPTIONS): with `prefill_ubatch` set (at most
@@ -566,7 +578,8 @@ class Context:
                  moe_cache_policy: str | None = None, moe_cache_rebalance_interval: int | None = None,
                  moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
                  moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None,
-                 moe_cache_headroom_mib: int | None = None,
+                 moe_cache_headroom_mib: int | None = None, moe_cache_miss: str | None = None,
+                 moe_cache_miss_auto_pct: int | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None):
         if not isinstance(model, Model):
@@ -591,6 +604,8 @@ class Context:
             "moe_cache_admit_window": moe_cache_admit_window,
             "moe_cache_max_uploads": moe_cache_max_uploads,
             "moe_cache_headroom_mib": moe_cache_headroom_mib,
+            "moe_cache_miss": moe_cache_miss,
+            "moe_cache_miss_auto_pct": moe_cache_miss_auto_pct,
         })
         prefill_swap = _prefill_swap_options({
             "prefill_ubatch": prefill_ubatch,
@@ -777,7 +792,8 @@ class ExpertCache:
         """Counters of one cached layer, or (None) the total over all cached layers: n_tokens,
         hits, misses, hit_rate, hit_rate_recent (the last 256 tokens), uploads, bytes_uploaded,
         evictions, batches_cached, batches_bypassed ({"batch": .., "warmup": ..}), rebalances,
-        step_ms_max, step_ms_total, n_slots, n_resident, n_layers_cached, bytes_vram.
+        step_ms_max, step_ms_total, n_slots, n_resident, n_layers_cached, bytes_vram, n_miss_device
+        (layers whose misses run on their GPU now: moe_cache_miss), route_switches (miss "auto").
         ValueError (saying why) when there is no cache there."""
         il = -1 if layer is None else self._layer(layer)
         return dict(self._c.moe_cache_stats(il))

@@ -511,7 +511,8 @@ static enum llama_moe_cache_policy parse_moe_cache_policy(const std::string & na
 // parameters); a value it refuses fails the context creation with its message.
 static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
                                                     int rebalance_interval, int max_batch, int admit_misses,
-                                                    int admit_window, int max_uploads, int headroom_mib) {
+                                                    int admit_window, int max_uploads, int headroom_mib,
+                                                    const std::string & miss, int miss_auto_pct) {
     llama_moe_cache_params p = llama_moe_cache_default_params();
     p.n_slots = slots;
     p.size_mib = size_mib;
@@ -523,6 +524,16 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.max_uploads = max_uploads;
     p.headroom_mib = headroom_mib;
     p.routing_trace = nullptr; // record_routing starts and stops a trace
+    if (miss == "cpu") {
+        p.miss = LLAMA_MOE_CACHE_MISS_CPU;
+    } else if (miss == "gpu") {
+        p.miss = LLAMA_MOE_CACHE_MISS_DEVICE;
+    } else if (miss == "auto") {
+        p.miss = LLAMA_MOE_CACHE_MISS_AUTO;
+    } else {
+        throw std::invalid_argument("moe_cache_miss must be 'cpu', 'gpu' or 'auto' (got '" + miss + "')");
+    }
+    p.miss_auto_pct = miss_auto_pct;
     return p;
 }
 
@@ -554,6 +565,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int moe_cache_rebalance_interval, int moe_cache_max_batch,
                                                     int moe_cache_admit_misses, int moe_cache_admit_window,
                                                     int moe_cache_max_uploads, int moe_cache_headroom_mib,
+                                                    const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
                                                     int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore) {
     if (n_ctx <= 0) {
@@ -589,7 +601,8 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.no_perf = true; // we time prefill and decode ourselves
     params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
-                                             moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib);
+                                             moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib,
+                                             moe_cache_miss, moe_cache_miss_auto_pct);
     params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore);
 
     auto c = std::make_shared<context_handle>();
@@ -949,6 +962,8 @@ static py::dict moe_cache_stats_dict(const llama_moe_cache_stats & s) {
     d["n_resident"] = s.n_resident;
     d["n_layers_cached"] = s.n_layers_cached;
     d["bytes_vram"] = s.bytes_vram;
+    d["n_miss_device"] = s.n_miss_device;
+    d["route_switches"] = s.route_switches;
     return d;
 }
 
@@ -1245,6 +1260,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_rebalance_interval") = 40, py::arg("moe_cache_max_batch") = 8,
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
              py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
+             py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })

@@ -1,0 +1,125 @@
+"""Where the hot-expert cache's misses run (--moe-cache-miss), and the one-copy readback of the
+routed ids, through the real llama-server on loopback.
+
+On the CPU test device (LLAMA_MOE_CACHE_HOST_DEVICE=1) the layer's "device" is the CPU, whose host
+mapping is the host tensors themselves: --moe-cache-miss gpu then builds the graphs of the GPU path
+(the misses on the mapped views beside the slot bank, no CPU split) and must give the stock output
+bit for bit, as the CPU computes the same products either way. The same checks on CUDA, where the
+GPU reads the pinned host experts over PCIe, are in tests/gpu/test_moe_cache_miss_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_cache_checks import N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
+from moecache.server import ServerError, ServerProcess
+
+BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
+HOST = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1"}
+EMPTY = {**HOST, "LLAMA_MOE_CACHE_HOLD_EMPTY": "1"}
+
+
+@pytest.fixture(scope="module")
+def stock(tiny_model, llama_server_bin):
+    with ServerProcess(tiny_model, args=BASE_ARGS, timeout=120) as srv:
+        return [complete(srv, p) for p in PROMPTS]
+
+
+def run(tiny_model, args, env, prompts=PROMPTS, n_predict=32):
+    with ServerProcess(tiny_model, args=BASE_ARGS + args, env=env, timeout=120) as srv:
+        outs = [complete(srv, p, n_predict=n_predict) for p in prompts]
+        st = cache_stats(srv)
+        status, metrics = srv.get("/metrics")
+        log = srv.log_text()
+    assert status == 200
+    return outs, st, metrics if isinstance(metrics, str) else json.dumps(metrics), log
+
+
+def same_as_stock(ref, outs):
+    for a, b in zip(ref, outs):
+        assert a["tokens"] == b["tokens"]
+        assert logprobs(a) == logprobs(b)  # exact
+
+
+def test_misses_on_the_device_give_the_stock_output(tiny_model, stock):
+    """Every expert a miss, every miss on the (test) device: no CPU split is left, and the output is
+    the stock path's exactly; the stats say where the misses ran."""
+    outs, st, metrics, _ = run(tiny_model, ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"], EMPTY)
+    same_as_stock(stock, outs)
+    assert st["miss"] == "device"
+    tot = st["total"]
+    assert tot["n_miss_device"] == N_LAYER and tot["route_switches"] == 0
+    assert all(layer["miss"] == "device" and layer["mapped"] is True for layer in st["layers"])
+    assert tot["misses"] > 0 and tot["misses"] == tot["n_tokens"] * N_USED * N_LAYER
+    assert f"llamacpp:moe_cache_miss_device_layers {N_LAYER}" in metrics
+
+
+def test_misses_on_the_device_with_hits_match_stock(tiny_model, stock):
+    """Slots fill while the misses run on the device: hits and misses both, greedy output unchanged."""
+    args = ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu", "--moe-cache-max-uploads", "8",
+            "--moe-cache-rebalance-interval", "4"]
+    outs, st, _, _ = run(tiny_model, args, HOST)
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+    tot = st["total"]
+    assert tot["hits"] > 0 and tot["misses"] > 0 and tot["uploads"] > 0
+    assert tot["n_miss_device"] == N_LAYER
+
+
+def test_a_failed_mapping_keeps_the_misses_on_the_cpu(tiny_model, stock):
+    """LLAMA_MOE_CACHE_FAIL=map: the device cannot read the host experts; the misses stay on the CPU,
+    the server answers, the output is unchanged."""
+    env = {**EMPTY, "LLAMA_MOE_CACHE_FAIL": "map"}
+    outs, st, _, log = run(tiny_model, ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"], env)
+    same_as_stock(stock, outs)
+    assert "cannot read" in log and "injected: LLAMA_MOE_CACHE_FAIL" in log
+    assert st["total"]["n_miss_device"] == 0
+    assert all(layer["miss"] == "cpu" and layer["mapped"] is False for layer in st["layers"])
+
+
+@pytest.mark.parametrize("pct,device", [(100, True), (0, False)])
+def test_auto_moves_layers_by_their_recent_misses(tiny_model, stock, pct, device):
+    """auto at 100%: every layer moves to the device once it has a window of routing (its misses are
+    at most 100% of its routed experts); at 0% none does while anything misses. Output unchanged."""
+    args = ["--moe-cache-slots", "8", "--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", str(pct)]
+    # three rounds: the layers move after 16 decode steps, and the last round runs where they moved to
+    outs, st, metrics, _ = run(tiny_model, args, EMPTY, prompts=PROMPTS * 3)
+    same_as_stock(stock * 3, outs)
+    tot = st["total"]
+    assert st["miss"] == "auto" and st["miss_auto_pct"] == pct
+    if device:
+        assert tot["n_miss_device"] == N_LAYER and tot["route_switches"] == N_LAYER
+        assert f"llamacpp:moe_cache_miss_route_switches_total {N_LAYER}" in metrics
+    else:
+        assert tot["n_miss_device"] == 0 and tot["route_switches"] == 0
+
+
+def test_routed_ids_of_many_ubatches_per_decode_are_read_back_in_order(tiny_model, tmp_path):
+    """-ub 2 under --moe-cache-max-batch 8: every prompt decode runs many cache-active ubatches, each
+    written into the same ids tensor and read back in one copy. The routing trace (what was read
+    back) must equal the trace of the stock path, which reads each layer's ids on its own."""
+    traces = {}
+    for name, extra in (("stock", []), ("cache", ["--moe-cache-slots", "8"])):
+        trace = tmp_path / f"{name}.jsonl"
+        args = BASE_ARGS + ["-ub", "2", "-b", "64", "--moe-routing-trace", str(trace)] + extra
+        with ServerProcess(tiny_model, args=args, env=EMPTY, timeout=120) as srv:
+            for p in PROMPTS:
+                complete(srv, p, n_predict=8)
+        traces[name] = [json.loads(line) for line in trace.read_text().splitlines()]
+    stock_trace, cache_trace = traces["stock"], traces["cache"]
+    assert len(cache_trace) == len(stock_trace) > 2 * 16
+    assert sum(1 for x in cache_trace if x["cached"]) == len(cache_trace)  # every ubatch used the cache
+    for a, b in zip(stock_trace, cache_trace):
+        assert (a["seq"], a["pos"]) == (b["seq"], b["pos"])
+        assert a["layers"] == b["layers"], f"pos {a['pos']}"
+
+
+@pytest.mark.parametrize("flag,value", [("--moe-cache-miss", "fast"), ("--moe-cache-miss-auto-pct", "101")])
+def test_bad_miss_flags_fail_with_a_clear_error(tiny_model, llama_server_bin, flag, value):
+    with pytest.raises(ServerError) as e:
+        with ServerProcess(tiny_model, args=BASE_ARGS + [flag, value], timeout=60):
+            pass
+    assert flag in str(e.value) and value in str(e.value)

@@ -1,0 +1,80 @@
+"""Hot-expert cache misses on CUDA (--moe-cache-miss gpu, patches 0014-0016): the GPU reads the
+missed experts in host memory in place (pinned at start-up), so no cached layer splits the graph.
+The tiny preset's rows (64 values) are shorter than the GPU kernels' tiles, so these tests use the
+`demo` preset (rows of 256). Through the server (own process).
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cache_checks import PROMPTS, cache_stats, complete, max_logprob_diff
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-lm", "none", "--no-webui"]
+N_LAYER, N_EXPERT, N_USED = 8, 32, 4  # the demo preset
+
+
+@pytest.fixture(scope="module")
+def demo_model(moecache_cache_dir):
+    from moecache import synth
+
+    path = moecache_cache_dir / "models" / synth.cached_model_name("demo", seed=0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        synth.write_model(path, preset="demo", seed=0, progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stock(demo_model):
+    with ServerProcess(demo_model, args=BASE_ARGS, timeout=180) as srv:
+        yield [complete(srv, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-mmap"]], ids=["mmap", "host-buffers"])
+def test_every_miss_on_the_gpu_matches_stock(demo_model, stock, extra):
+    """A cache held empty: every routed expert is read by the GPU from host memory (a read-only file
+    mapping that the cache page-locks, or the pinned host buffers of --no-mmap). The same tokens as
+    the CPU path; only device rounding differs."""
+    args = BASE_ARGS + extra + ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"]
+    with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_HOLD_EMPTY": "1"}, timeout=180) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+    tot = st["total"]
+    assert tot["n_miss_device"] == N_LAYER, st["layers"][0]
+    assert tot["hits"] == 0 and tot["misses"] == tot["n_tokens"] * N_USED * N_LAYER
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("miss", ["gpu", "auto"])
+def test_hits_and_gpu_misses_match_stock(demo_model, stock, miss):
+    args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", miss, "--moe-cache-miss-auto-pct", "60",
+                        "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(demo_model, args=args, timeout=180) as srv:
+        complete(srv, PROMPTS[0] * 3, n_predict=48)
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)["total"]
+    assert st["uploads"] > 0 and st["hits"] > 0 and st["misses"] > 0, st
+    assert st["n_miss_device"] > 0, st
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
+def test_a_failed_mapping_on_cuda_keeps_the_cpu_misses(demo_model, stock):
+    args = BASE_ARGS + ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"]
+    with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_FAIL": "map"}, timeout=180) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+        log = srv.log_text()
+    assert "cannot read" in log
+    assert st["enabled"] and st["total"]["n_miss_device"] == 0
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
