@@ -36,11 +36,12 @@ def stock(demo_model):
         yield [complete(srv, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-mmap"]], ids=["mmap", "host-buffers"])
+@pytest.mark.parametrize("extra", [[], ["-lm", "mmap"], ["--no-host"]], ids=["host-buffers", "mmap", "pageable"])
 def test_every_miss_on_the_gpu_matches_stock(demo_model, stock, extra):
-    """A cache held empty: every routed expert is read by the GPU from host memory (a read-only file
-    mapping that the cache page-locks, or the pinned host buffers of --no-mmap). The same tokens as
-    the CPU path; only device rounding differs."""
+    """A cache held empty: every routed expert is read by the GPU from host memory: the pinned host
+    buffers of -lm none (mapped only), a read-only file mapping (-lm mmap) or pageable buffers
+    (--no-host), which the cache page-locks. The same tokens as the CPU path; only device rounding
+    differs."""
     args = BASE_ARGS + extra + ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"]
     with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_HOLD_EMPTY": "1"}, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]

@@ -17,6 +17,8 @@ DEFAULTS = {
     "moe_cache_admit_window": 16,
     "moe_cache_max_uploads": 2,
     "moe_cache_headroom_mib": 512,
+    "moe_cache_miss": "cpu",
+    "moe_cache_miss_auto_pct": 25,
 }
 
 # llama.cpp's LLAMA_ARG_<FLAG> names, as llama-server takes them
@@ -30,6 +32,8 @@ ENV = {
     "moe_cache_admit_window": "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW",
     "moe_cache_max_uploads": "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS",
     "moe_cache_headroom_mib": "LLAMA_ARG_MOE_CACHE_HEADROOM",
+    "moe_cache_miss": "LLAMA_ARG_MOE_CACHE_MISS",
+    "moe_cache_miss_auto_pct": "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT",
 }
 # the older names, still read when the new one is unset
 ALIASES = {
@@ -47,6 +51,8 @@ FLAGS = {
     "moe_cache_admit_window": "--moe-cache-admit-window",
     "moe_cache_max_uploads": "--moe-cache-max-uploads",
     "moe_cache_headroom_mib": "--moe-cache-headroom",
+    "moe_cache_miss": "--moe-cache-miss",
+    "moe_cache_miss_auto_pct": "--moe-cache-miss-auto-pct",
 }
 
 
