@@ -92,6 +92,8 @@ def test_environment_gives_the_defaults():
         "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW": "64",
         "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS": "4",
         "LLAMA_ARG_MOE_CACHE_HEADROOM": "1024",
+        "LLAMA_ARG_MOE_CACHE_MISS": "auto",
+        "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT": "40",
     }
     assert api._moe_cache_options({}, env) == {
         "moe_cache_slots": 16,
@@ -103,6 +105,8 @@ def test_environment_gives_the_defaults():
         "moe_cache_admit_window": 64,
         "moe_cache_max_uploads": 4,
         "moe_cache_headroom_mib": 1024,
+        "moe_cache_miss": "auto",
+        "moe_cache_miss_auto_pct": 40,
     }
 
 
