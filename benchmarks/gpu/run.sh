@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [backend-ops] [model] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
@@ -77,6 +77,39 @@ while [ $i -lt ${#phases[@]} ]; do
             log "backend-ops: FAILED (see backend-ops.log)"; failed=1
         fi
         ;;
+    repro)
+        # start llama-server on the demo model with REPRO_ARGS and print how it ends: the native frames of
+        # a SIGSEGV (segv-backtrace.c preloaded) and its verbose log; the server is stopped once healthy
+        mkdir -p "$models"
+        demo=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("demo", "q8_0", 0))')
+        [ -f "$demo" ] || python3 -m moecache synth "$demo" --preset demo --quant q8_0 --seed 0 2>&1 | tail -1
+        cc -shared -fPIC -o /tmp/segv-backtrace.so "$repo/benchmarks/gpu/segv-backtrace.c"
+        srv=$(python3 -c 'from moecache.paths import binary; print(binary("llama-server"))')
+        args=${REPRO_ARGS:-"-t 8 -c 1024 -np 1 -ngl 99 --cpu-moe -lm none --no-webui --moe-cache-slots 8 --moe-cache-miss gpu"}
+        log "repro: llama-server $args (env ${REPRO_ENV:-none})"
+        # shellcheck disable=SC2086 # REPRO_ARGS and REPRO_ENV are word lists
+        env ${REPRO_ENV:-} LD_PRELOAD=/tmp/segv-backtrace.so "$srv" -m "$demo" --port 18599 -lv 4 $args > "$out/repro.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 120); do
+            if ! kill -0 $pid 2>/dev/null; then break; fi
+            if python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:18599/health", timeout=1)' 2>/dev/null; then
+                log "repro: healthy"; kill $pid; break
+            fi
+            sleep 0.5
+        done
+        rc=0; wait $pid || rc=$?
+        log "repro: exit status $rc"
+        # frames as lib(symbol+off): demangled; lib(+off): resolved by addr2line where it is installed
+        grep -A40 "segv-backtrace" "$out/repro.log" | head -60 | while read -r line; do
+            lib=${line%%(*}; off=$(echo "$line" | sed -n 's/.*(+\(0x[0-9a-f]*\)).*/\1/p')
+            if [ -n "$off" ] && command -v addr2line > /dev/null; then
+                echo "$line  =>  $(addr2line -f -C -e "$lib" "$off" | tr '\n' ' ')"
+            else
+                echo "$line" | (command -v c++filt > /dev/null && c++filt || cat)
+            fi
+        done || true
+        tail -40 "$out/repro.log"
+        ;;
     model)
         mkdir -p "$models"
         # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" } (it carries the
@@ -99,7 +132,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
