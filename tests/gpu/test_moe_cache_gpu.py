@@ -72,3 +72,24 @@ def test_cuda_cache_failures_keep_serving_the_stock_output(tiny_model, stock, fa
         assert st["enabled"] is True and st["total"]["uploads"] > 0
     else:
         assert sum(1 for layer in st["layers"] if not layer["cached"]) == 1
+
+
+def test_cache_active_ubatches_of_64_with_every_expert_resident(tiny_model):
+    """-ub 64 under --moe-cache-max-batch 64: the prompt's ubatches run through the cache. Once every
+    expert is resident the CPU half of a layer has only skip ids, and the scheduler, which copies the
+    host experts of batches of 32+ tokens to the GPU, must then copy none (its scan for the first used
+    expert had no bound). The output equals the stock path's."""
+    long_prompt = PROMPTS[1] * 6
+    shared = ["-ub", "64", "-b", "64"]
+    with ServerProcess(tiny_model, args=BASE_ARGS + shared, timeout=180) as srv:
+        ref = complete(srv, long_prompt, n_predict=16)
+    args = BASE_ARGS + shared + ["--moe-cache-max-batch", "64", "--moe-cache-slots", str(N_EXPERT),
+                                 "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        for _ in range(3):
+            complete(srv, PROMPTS[0] * 3, n_predict=48)  # fill every slot
+        out = complete(srv, long_prompt, n_predict=16)
+        st = stats(srv)
+    resident = [layer["n_resident"] for layer in st["layers"]]
+    assert out["tokens"] == ref["tokens"]
+    assert st["total"]["batches_cached"] > 0 and max(resident) == N_EXPERT, resident
