@@ -551,7 +551,8 @@ class Context:
     slots is 0); `moe_cache_policy` "freq" (routing frequency over a window, rebalanced every
     `moe_cache_rebalance_interval` tokens) or "lru" (an expert is uploaded after
     `moe_cache_admit_misses` misses within `moe_cache_admit_window` tokens); at most
-    `moe_cache_max_uploads` uploads per layer and step; the banks are sized after the KV cache and
+    `moe_cache_max_uploads` uploads per layer and step while the link is busy (up to 8x that while
+    the last step's uploads were done in time and more were wanted); the banks are sized after the KV cache and
     the compute buffers, from the device memory then free minus `moe_cache_headroom_mib`.
     `moe_cache_miss` says where the misses run: "cpu" (a round trip to the CPU per cached layer),
     "gpu" (the layer's GPU reads the missed experts in host memory in place, pinned at start-up) or

@@ -161,3 +161,20 @@ def test_layers_on_the_cpu_are_not_cached_without_a_gpu(tiny_model, llama_server
     assert "no layer can use the hot-expert cache" in log
     assert all(layer["cached"] is False for layer in st["layers"])
     assert "no GPU" in st["layers"][0]["reason"]
+
+
+def test_upload_cap_grows_while_the_link_is_idle(tiny_model):
+    """--moe-cache-max-uploads 1: on the test device each copy is done long before the next step, so
+    while a layer wants more than the cap, the cap doubles per step (up to 8x); /moe-cache reports the
+    cap in use. Output unchanged (the uploads only move experts between the CPU and the slots)."""
+    args = BASE_ARGS + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-max-uploads", "1",
+                        "--moe-cache-policy", "lru", "--moe-cache-admit-misses", "1"]
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        out = complete(srv, PROMPTS[0], n_predict=24)
+        st = cache_stats(srv)
+    with ServerProcess(tiny_model, args=BASE_ARGS, timeout=120) as srv:
+        ref = complete(srv, PROMPTS[0], n_predict=24)
+    assert out["tokens"] == ref["tokens"]
+    assert st["max_uploads"] == 1
+    assert 1 < st["upload_cap"] <= 8, st["upload_cap"]
+    assert st["total"]["uploads"] > 0
