@@ -65,13 +65,14 @@ def plain_lru_hits(ids, slots: int) -> tuple[int, int]:
 
 
 def lru_hit_rates(preset: str, tokens: list[int], strength: float, slots: list[int], seed: int = 0,
-                  warmup: int = 0) -> dict[int, float]:
+                  warmup: int = 0, context_mix: float = 0.0) -> dict[int, float]:
     """Hit rate of a plain LRU cache of each size (per layer) over the routing `preset` predicts for
-    `tokens`; the first `warmup` tokens fill the caches without being counted."""
+    `tokens` (with the modelled context term, synth.predicted_trace); the first `warmup` tokens fill
+    the caches without being counted."""
     from . import synth
 
     p = synth.get_preset(preset)
-    ids = synth.predicted_trace(p, tokens, seed=seed, routing_strength=strength)
+    ids = synth.predicted_trace(p, tokens, seed=seed, routing_strength=strength, context_mix=context_mix)
     out = {}
     for s in slots:
         hits = routed = 0
@@ -85,16 +86,19 @@ def lru_hit_rates(preset: str, tokens: list[int], strength: float, slots: list[i
 
 
 def calibrate(preset: str, tokens: list[int], published: PublishedLRU, strengths=DEFAULT_STRENGTHS,
-              seed: int = 0, warmup: int = 0, progress=None) -> dict:
-    """Sweep `strengths`; returns every row and the best one (least squares against `published`)."""
+              seed: int = 0, warmup: int = 0, progress=None, context_mixes=(0.0,)) -> dict:
+    """Sweep `strengths` x `context_mixes`; returns every row and the best one (least squares against
+    `published`)."""
     slots = sorted(published.hit_rates)
     rows = []
-    for st in strengths:
-        rates = lru_hit_rates(preset, tokens, st, slots, seed=seed, warmup=warmup)
-        err = math.sqrt(sum((rates[s] - published.hit_rates[s]) ** 2 for s in slots) / len(slots))
-        rows.append({"routing_strength": st, "hit_rates": {str(s): rates[s] for s in slots}, "rms_error": err})
-        if progress:
-            progress(rows[-1])
+    for mix in context_mixes:
+        for st in strengths:
+            rates = lru_hit_rates(preset, tokens, st, slots, seed=seed, warmup=warmup, context_mix=mix)
+            err = math.sqrt(sum((rates[s] - published.hit_rates[s]) ** 2 for s in slots) / len(slots))
+            rows.append({"routing_strength": st, "context_mix": mix, "hit_rates": {str(s): rates[s] for s in slots},
+                         "rms_error": err})
+            if progress:
+                progress(rows[-1])
     best = min(rows, key=lambda r: r["rms_error"])
     from .synth import SYNTH_VERSION
 
@@ -105,19 +109,20 @@ def calibrate(preset: str, tokens: list[int], published: PublishedLRU, strengths
 
 def report_markdown(result: dict, texts: list[str]) -> str:
     slots = list(result["published"])
-    head = "| routing strength | " + " | ".join(f"LRU-{s}" for s in slots) + " | RMS error |"
+    head = "| routing strength | context mix | " + " | ".join(f"LRU-{s}" for s in slots) + " | RMS error |"
     lines = [f"# Routing calibration: `{result['preset']}`", "",
              f"Textbook LRU hit rates per layer (a miss is inserted at once) over the routing that the synthetic preset predicts for "
              f"{result['tokens']} tokens of {', '.join(texts)} (seed {result['seed']}, {result['warmup']} tokens of "
              f"warm-up not counted; synth generator v{result.get('synth_version', '?')}), against those published for "
              f"{result['model']}: {result['source']}.", "",
-             head, "| ---: | " + " | ".join("---:" for _ in slots) + " | ---: |",
-             "| published | " + " | ".join(f"{100 * result['published'][s]:.1f}%" for s in slots) + " | - |"]
+             head, "| ---: | ---: | " + " | ".join("---:" for _ in slots) + " | ---: |",
+             "| published | - | " + " | ".join(f"{100 * result['published'][s]:.1f}%" for s in slots) + " | - |"]
     for r in result["rows"]:
         mark = " **(best)**" if r is result["best"] or r == result["best"] else ""
-        lines.append(f"| {r['routing_strength']:g}{mark} | " +
+        lines.append(f"| {r['routing_strength']:g}{mark} | {r.get('context_mix', 0.0):g} | " +
                      " | ".join(f"{100 * r['hit_rates'][s]:.1f}%" for s in slots) + f" | {100 * r['rms_error']:.1f} |")
-    lines += ["", f"Best: routing strength {result['best']['routing_strength']:g} "
+    lines += ["", f"Best: routing strength {result['best']['routing_strength']:g}, context mix "
+                  f"{result['best'].get('context_mix', 0.0):g} "
                   f"(RMS error {100 * result['best']['rms_error']:.1f} points).", ""]
     return "\n".join(lines)
 
@@ -132,6 +137,16 @@ def _strengths(text: str) -> tuple[float, ...]:
     return vals
 
 
+def _mixes(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}") from None
+    if not vals or any(not (math.isfinite(v) and v >= 0.0) for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers >= 0, got {text!r}")
+    return vals
+
+
 def build_parser(prog: str = "moecache calibrate-routing") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("preset", choices=sorted(PUBLISHED), help="the synthetic preset to calibrate")
@@ -141,6 +156,9 @@ def build_parser(prog: str = "moecache calibrate-routing") -> argparse.ArgumentP
     ap.add_argument("--warmup", type=int, default=0, help="tokens at the start that are not counted (default 0)")
     ap.add_argument("--strengths", type=_strengths, default=DEFAULT_STRENGTHS,
                     help=f"routing strengths to try (default {','.join(f'{s:g}' for s in DEFAULT_STRENGTHS)})")
+    ap.add_argument("--context-mix", type=_mixes, default=(0.0,),
+                    help="strengths of the modelled context term to try (uniform attention carrying the mean of the "
+                         "earlier positions; the generator does not write it yet), comma-separated, >= 0 (default 0)")
     ap.add_argument("--seed", type=int, default=0, help="the preset's seed (default 0)")
     ap.add_argument("--out", type=Path, default=None, help="write the result as OUT.json and OUT.md")
     return ap
@@ -165,10 +183,11 @@ def main(argv: list[str] | None = None, prog: str = "moecache calibrate-routing"
 
     def progress(row):
         rates = ", ".join(f"LRU-{s} {100 * v:.1f}%" for s, v in row["hit_rates"].items())
-        print(f"strength {row['routing_strength']:g}: {rates} (RMS error {100 * row['rms_error']:.1f})", flush=True)
+        print(f"strength {row['routing_strength']:g}, context mix {row['context_mix']:g}: {rates} "
+              f"(RMS error {100 * row['rms_error']:.1f})", flush=True)
 
     result = calibrate(args.preset, tokens, PUBLISHED[args.preset], args.strengths, seed=args.seed,
-                       warmup=args.warmup, progress=progress)
+                       warmup=args.warmup, progress=progress, context_mixes=args.context_mix)
     md = report_markdown(result, [t.name for t in args.text])
     print(md)
     if args.out:

@@ -674,10 +674,23 @@ def embed_chunk_rows(p: Preset) -> int:
     return max(1, (CHUNK_BYTES // 4) // p.n_embd)
 
 
+def context_projection(p: Preset, seed: int, layer: int) -> np.ndarray:
+    """(n_head_kv * head_dim, n_embd) float32, rows of length ~1: the subspace a layer's context term
+    carries (context_mix in predicted_trace)."""
+    rng = np.random.default_rng([seed, 0x5EED, 4, layer])
+    n_kv = p.n_head_kv * p.head_dim
+    return (rng.standard_normal((n_kv, p.n_embd), dtype=np.float32) / np.float32(math.sqrt(p.n_embd)))
+
+
 def predicted_trace(preset: str | Preset, tokens: Sequence[int], seed: int = 0,
-                    routing_strength: float = 1.0) -> np.ndarray:
+                    routing_strength: float = 1.0, context_mix: float = 0.0) -> np.ndarray:
     """The routing that a model of `preset` would get, from the float weights before quantization, without
-    writing the model (e.g. for the qwen3-30b-a3b preset). Same approximation as reference_trace."""
+    writing the model (e.g. for the qwen3-30b-a3b preset). Same approximation as reference_trace.
+
+    context_mix > 0 models a context term that the generator does not write yet: each layer's
+    attention attends uniformly to every earlier position, and its value/output projections carry a
+    random n_kv-dimensional subspace (context_projection), scaled by context_mix, into the residual:
+    h += context_mix * P^T P mean_{s <= t} norm(h_s); the router then sees norm(h). 0 = token identity only."""
     p = get_preset(preset)
     st = make_structure(p, seed)
     ids = np.asarray(tokens, dtype=np.int64)
@@ -690,10 +703,23 @@ def predicted_trace(preset: str | Preset, tokens: Sequence[int], seed: int = 0,
         emb = embedding_rows(p, st, seed, r0, min(r0 + rows, p.n_vocab))
         sel = np.nonzero(ids // rows == chunk)[0]
         x[sel] = emb[ids[sel] - r0]
-    x = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + p.rms_eps)
+    def norm(v):
+        return v / np.sqrt((v * v).mean(axis=1, keepdims=True) + p.rms_eps)
+
     out = np.empty((len(ids), p.n_layer, p.n_expert_used), dtype=np.int32)
+    if context_mix == 0.0:
+        x = norm(x)
+        for il in range(p.n_layer):
+            logits = x @ router_weights(p, st, il, seed, routing_strength).astype(np.float64).T
+            out[:, il, :] = np.argsort(-logits, axis=1, kind="stable")[:, :p.n_expert_used]
+        return out
+    h = x.astype(np.float32)
+    counts = np.arange(1, len(ids) + 1, dtype=np.float32)[:, None]
     for il in range(p.n_layer):
-        logits = x @ router_weights(p, st, il, seed, routing_strength).astype(np.float64).T
+        mean = np.cumsum(norm(h), axis=0, dtype=np.float64).astype(np.float32) / counts  # causal, uniform attention
+        proj = context_projection(p, seed, il)
+        h = h + np.float32(context_mix) * ((mean @ proj.T) @ proj)
+        logits = norm(h).astype(np.float64) @ router_weights(p, st, il, seed, routing_strength).astype(np.float64).T
         out[:, il, :] = np.argsort(-logits, axis=1, kind="stable")[:, :p.n_expert_used]
     return out
 
