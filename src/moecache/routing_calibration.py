@@ -29,11 +29,14 @@ class PublishedLRU:
     hit_rates: dict[int, float]
 
 
-# per preset; the 30B sizes are 5/15/30/50% of its 128 experts (rounded to whole slots)
+# per preset. kekzl/imp PR #1374 sized its LRU pool as 5/15/30/50% of free VRAM, which it reports as
+# 24/73/146/244 slots per layer over 256 cold decode tokens (36.6/74.1/89.4/96.2%); the last two hold
+# more than the model's 128 experts per layer, so only the first two are a per-layer LRU curve. Replay
+# 256 tokens with no warm-up to compare (calibrate-routing --tokens 256).
 PUBLISHED: dict[str, PublishedLRU] = {
     "qwen3-30b-a3b": PublishedLRU(
-        "Qwen3-30B-A3B", "kekzl/imp PR #1374 (LRU with 5/15/30/50% of the experts)",
-        {6: 0.366, 19: 0.741, 38: 0.894, 64: 0.962}),
+        "Qwen3-30B-A3B", "kekzl/imp PR #1374 (LRU, 24 and 73 slots per layer, 256 cold decode tokens)",
+        {24: 0.366, 73: 0.741}),
     "qwen3-next-80b-a3b": PublishedLRU(
         "Qwen3.8-Flash-Next (512 experts)", "llama.cpp PR #27861 (LRU-64 ~67%, LRU-128 ~81%)",
         {64: 0.67, 128: 0.81}),
