@@ -507,6 +507,19 @@ static enum llama_moe_cache_policy parse_moe_cache_policy(const std::string & na
     throw std::invalid_argument("moe_cache_policy must be 'freq' or 'lru' (got '" + name + "')");
 }
 
+static llama_moe_cache_miss parse_moe_cache_miss(const std::string & name) {
+    if (name == "cpu") {
+        return LLAMA_MOE_CACHE_MISS_CPU;
+    }
+    if (name == "gpu") {
+        return LLAMA_MOE_CACHE_MISS_DEVICE;
+    }
+    if (name == "auto") {
+        return LLAMA_MOE_CACHE_MISS_AUTO;
+    }
+    throw std::invalid_argument("moe_cache_miss must be 'cpu', 'gpu' or 'auto' (got '" + name + "')");
+}
+
 // The hot-expert cache settings of a context. The library checks them (the wrapper first, naming its
 // parameters); a value it refuses fails the context creation with its message.
 static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
@@ -524,15 +537,7 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.max_uploads = max_uploads;
     p.headroom_mib = headroom_mib;
     p.routing_trace = nullptr; // record_routing starts and stops a trace
-    if (miss == "cpu") {
-        p.miss = LLAMA_MOE_CACHE_MISS_CPU;
-    } else if (miss == "gpu") {
-        p.miss = LLAMA_MOE_CACHE_MISS_DEVICE;
-    } else if (miss == "auto") {
-        p.miss = LLAMA_MOE_CACHE_MISS_AUTO;
-    } else {
-        throw std::invalid_argument("moe_cache_miss must be 'cpu', 'gpu' or 'auto' (got '" + miss + "')");
-    }
+    p.miss = parse_moe_cache_miss(miss);
     p.miss_auto_pct = miss_auto_pct;
     return p;
 }
