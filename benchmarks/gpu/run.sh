@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
@@ -51,7 +51,9 @@ while [ $i -lt ${#phases[@]} ]; do
         ;;
     test)
         # one pytest process per file: a crash in one file does not hide the others' results
-        for f in "$repo"/tests/gpu/test_*.py; do
+        # TEST_FILES: a subset (names under tests/gpu), all files when unset
+        for f in ${TEST_FILES:-"$repo"/tests/gpu/test_*.py}; do
+            [ -f "$f" ] || f=$repo/tests/gpu/$f
             name=$(basename "$f" .py)
             log "test: $name"
             if (set -o pipefail; cd /tmp && timeout 600 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider 2>&1 \
@@ -86,21 +88,25 @@ while [ $i -lt ${#phases[@]} ]; do
         cc -shared -fPIC -o /tmp/segv-backtrace.so "$repo/benchmarks/gpu/segv-backtrace.c"
         srv=$(python3 -c 'from moecache.paths import binary; print(binary("llama-server"))')
         args=${REPRO_ARGS:-"-t 8 -c 1024 -np 1 -ngl 99 --cpu-moe -lm none --no-webui --moe-cache-slots 8 --moe-cache-miss gpu"}
-        log "repro: llama-server $args (env ${REPRO_ENV:-none})"
+        rlog=$out/repro${REPRO_TAG:+-$REPRO_TAG}.log
+        log "repro${REPRO_TAG:+ $REPRO_TAG}: llama-server $args (env ${REPRO_ENV:-none})"
         # shellcheck disable=SC2086 # REPRO_ARGS and REPRO_ENV are word lists
-        env ${REPRO_ENV:-} LD_PRELOAD=/tmp/segv-backtrace.so "$srv" -m "$demo" --port 18599 -lv 4 $args > "$out/repro.log" 2>&1 &
+        env ${REPRO_ENV:-} LD_PRELOAD=/tmp/segv-backtrace.so "$srv" -m "$demo" --port 18599 -lv 4 $args > "$rlog" 2>&1 &
         pid=$!
         for _ in $(seq 120); do
             if ! kill -0 $pid 2>/dev/null; then break; fi
             if python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:18599/health", timeout=1)' 2>/dev/null; then
-                log "repro: healthy"; kill $pid; break
+                log "repro${REPRO_TAG:+ $REPRO_TAG}: healthy"
+                # one request through the same path, then stop
+                python3 -c 'import json, urllib.request as u; r = u.urlopen(u.Request("http://127.0.0.1:18599/completion", data=json.dumps({"prompt": "The quick brown fox", "n_predict": 24}).encode()), timeout=60); print("repro: completion:", json.load(r)["content"][:80])' 2>&1 | tee -a "$out/run.log" || true
+                kill $pid; break
             fi
             sleep 0.5
         done
         rc=0; wait $pid || rc=$?
-        log "repro: exit status $rc"
+        log "repro${REPRO_TAG:+ $REPRO_TAG}: exit status $rc"
         # frames as lib(symbol+off): demangled; lib(+off): resolved by addr2line where it is installed
-        grep -A40 "segv-backtrace" "$out/repro.log" | head -60 | while read -r line; do
+        grep -A40 "segv-backtrace" "$rlog" | head -60 | while read -r line; do
             lib=${line%%(*}; off=$(echo "$line" | sed -n 's/.*(+\(0x[0-9a-f]*\)).*/\1/p')
             if [ -n "$off" ] && command -v addr2line > /dev/null; then
                 echo "$line  =>  $(addr2line -f -C -e "$lib" "$off" | tr '\n' ' ')"
@@ -108,7 +114,22 @@ while [ $i -lt ${#phases[@]} ]; do
                 echo "$line" | (command -v c++filt > /dev/null && c++filt || cat)
             fi
         done || true
-        tail -40 "$out/repro.log"
+        tail -${REPRO_TAIL:-40} "$rlog"
+        ;;
+    cpu-decode)
+        # issue 11 goal 2: where all-CPU-experts decode stands against the host's read bandwidth:
+        # host-bandwidth.c per thread count, then llama-bench tg over threads, pinned vs pageable
+        # (repacked) experts and polling on the 30B model (the model phase makes it)
+        log "cpu-decode: $(lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node\(s\))' | tr -s ' ' | tr '\n' ';')"
+        cc -O3 -march=native -fopenmp -o /tmp/host-bandwidth "$repo/benchmarks/gpu/host-bandwidth.c"
+        /tmp/host-bandwidth 8 1,2,4,8,12,16 | tee "$out/host-bandwidth.jsonl" | tee -a "$out/run.log"
+        q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
+        bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
+        # shellcheck disable=SC2086 # CPU_DECODE_ARGS is a word list
+        "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none ${CPU_DECODE_ARGS:-"-t 8,16 --no-host 0,1 --poll 50,100"} \
+            -o jsonl 2> "$out/cpu-decode.err" | tee "$out/cpu-decode.jsonl" \
+            | python3 -c 'import json, sys; [print("cpu-decode: t=%s no_host=%s repack=%s poll=%s: %.1f t/s" % (r["n_threads"], r.get("no_host"), r.get("repack", r.get("use_extra_bufts")), r.get("poll"), r["avg_ts"])) for r in map(json.loads, sys.stdin)]' \
+            | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode.err"; failed=1; }
         ;;
     model)
         mkdir -p "$models"

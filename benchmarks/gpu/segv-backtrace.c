@@ -6,17 +6,18 @@
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <signal.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
 static void on_segv(int sig, siginfo_t * info, void * ctx) {
     (void) ctx;
-    static const char head[] = "segv-backtrace: native frames of the crash:\n";
-    write(STDERR_FILENO, head, sizeof(head) - 1);
+    char head[96];
+    int len = snprintf(head, sizeof(head), "segv-backtrace: native frames of the crash (address %p):\n", info->si_addr);
+    write(STDERR_FILENO, head, (size_t) len);
     void * frames[64];
     int n = backtrace(frames, 64);
     backtrace_symbols_fd(frames, n, STDERR_FILENO);
-    (void) info;
     signal(sig, SIG_DFL);
     raise(sig);
 }
