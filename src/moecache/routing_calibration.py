@@ -161,7 +161,7 @@ def build_parser(prog: str = "moecache calibrate-routing") -> argparse.ArgumentP
                     help=f"routing strengths to try (default {','.join(f'{s:g}' for s in DEFAULT_STRENGTHS)})")
     ap.add_argument("--context-mix", type=_mixes, default=(0.0,),
                     help="strengths of the modelled context term to try (uniform attention carrying the mean of the "
-                         "earlier positions; the generator does not write it yet), comma-separated, >= 0 (default 0)")
+                         "earlier positions, as `moecache synth --context-mix` writes it), comma-separated, >= 0 (default 0)")
     ap.add_argument("--seed", type=int, default=0, help="the preset's seed (default 0)")
     ap.add_argument("--out", type=Path, default=None, help="write the result as OUT.json and OUT.md")
     return ap

@@ -147,9 +147,9 @@ def demo_model_path() -> Path:
 
 
 def ensure_synth_model(path: Path, preset: str, seed: int = 0, quant: str | None = None,
-                       out=None) -> Path:
+                       out=None, routing: str = "default") -> Path:
     """Write a synthetic model to `path` once (synth writes a temp file and renames it when done,
-    so a cached file is always complete)."""
+    so a cached file is always complete); `routing` names a synth routing profile."""
     path = Path(path)
     if path.is_file() and check_model_file(path) is None:
         return path
@@ -157,9 +157,11 @@ def ensure_synth_model(path: Path, preset: str, seed: int = 0, quant: str | None
 
     out = out or sys.stderr
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"moecache: making the synthetic model '{preset}'{' ' + quant if quant else ''} "
+    strength, mix = synth.routing_profile(preset, routing)
+    print(f"moecache: making the synthetic model '{preset}'{' ' + quant if quant else ''}"
+          f"{'' if routing == 'default' else f' ({routing} routing: strength {strength:g}, context mix {mix:g})'} "
           f"(once; cached at {path}) ...", file=out, flush=True)
-    kwargs = {"preset": preset, "seed": seed}
+    kwargs = {"preset": preset, "seed": seed, "routing_strength": strength, "context_mix": mix}
     if quant:
         kwargs["quant"] = quant
     synth.write_model(path, **kwargs)

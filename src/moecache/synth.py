@@ -16,6 +16,13 @@ How the routing is made to follow tokens:
   the expert, scaled by ``routing_strength``, plus a random part. At strength 0 the router is
   purely random.
 
+With ``context_mix`` > 0 routing also follows the context, as a trained model's does (token identity
+alone leaves LRU hit rates far below the published ones): attention is made uniform over the earlier
+positions (attn_q_norm = 0), attn_v is a random n_kv-dimensional projection P of the hidden state and
+attn_output is context_mix * P^T (spread over each KV group's query heads), so every layer adds
+context_mix * P^T P mean_{s<=t} norm(h_s) to the residual. ``predicted_trace`` models the same term;
+``ROUTING_PROFILES`` holds the (strength, mix) fitted per preset to published hit rates.
+
 Large tensors (attention, experts, output) are written as random quantized blocks with a chosen
 scale, chunked and in parallel, so the 30B preset needs no giant float arrays. K-quants are made
 by writing F16 (or Q8_0 for big models) first and running the built ``llama-quantize``.
@@ -105,6 +112,31 @@ PRESETS: dict[str, Preset] = {
         n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=262144),
 }
 
+# routing fitted to published LRU hit rates of the real models on real text (routing_strength,
+# context_mix): moecache calibrate-routing, benchmarks/results/2026-12-01-routing-calibration-context-*.md
+# (Qwen3-30B-A3B: kekzl/imp PR #1374; the 512-expert shape: llama.cpp PR #27861)
+ROUTING_PROFILES: dict[str, tuple[float, float]] = {
+    "qwen3-30b-a3b": (2.0, 0.1),
+    "qwen3-next-80b-a3b": (1.0, 0.4),
+}
+ROUTINGS = ("default", "calibrated")
+MAX_CONTEXT_MIX = 2.0
+
+
+def routing_profile(preset: str, routing: str = "default") -> tuple[float, float]:
+    """(routing_strength, context_mix) of a routing name: "default" = token identity at strength 1,
+    "calibrated" = the preset's fitted profile."""
+    if routing == "default":
+        return 1.0, 0.0
+    if routing != "calibrated":
+        raise SynthError(f"unknown routing {routing!r}: use one of {', '.join(ROUTINGS)}")
+    try:
+        return ROUTING_PROFILES[preset]
+    except KeyError:
+        raise SynthError(f"preset {preset!r} has no calibrated routing; presets with one: "
+                         f"{', '.join(ROUTING_PROFILES)}") from None
+
+
 # quant types written directly, and general.file_type (enum llama_ftype) of each
 DIRECT_QUANTS: dict[str, tuple[GGMLType, int]] = {
     "q8_0": (GGMLType.Q8_0, 7),
@@ -168,7 +200,8 @@ def residual_scale(p: Preset) -> float:
     return RESIDUAL_DRIFT / math.sqrt(2 * p.n_layer)
 
 
-def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0) -> list[TensorSpec]:
+def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0,
+                 context_mix: float = 0.0) -> list[TensorSpec]:
     """The tensors of a model, in file order, without writing anything."""
     p = get_preset(preset)
     wt = GGMLType(weight_type)
@@ -182,15 +215,21 @@ def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0) ->
         TensorSpec("output.weight", (p.n_embd, p.n_vocab), wt, "random", OUTPUT_LOGIT_STD / math.sqrt(p.n_embd)),
     ]
     in_std = 1.0 / math.sqrt(p.n_embd)
+    ctx = context_mix > 0.0
     for i in range(p.n_layer):
         b = f"blk.{i}."
+        # with a context term: uniform attention (q_norm 0), V = P x, output = context_mix * P^T
+        v_spec = TensorSpec(b + "attn_v.weight", (p.n_embd, n_kv), wt, "ctx_v", layer=i) if ctx else \
+            TensorSpec(b + "attn_v.weight", (p.n_embd, n_kv), wt, "random", in_std, i)
+        o_spec = TensorSpec(b + "attn_output.weight", (n_q, p.n_embd), wt, "ctx_out", context_mix, i) if ctx else \
+            TensorSpec(b + "attn_output.weight", (n_q, p.n_embd), wt, "random", eps / math.sqrt(n_q), i)
         specs += [
             TensorSpec(b + "attn_norm.weight", (p.n_embd,), f32, "ones", layer=i),
             TensorSpec(b + "attn_q.weight", (p.n_embd, n_q), wt, "random", in_std, i),
             TensorSpec(b + "attn_k.weight", (p.n_embd, n_kv), wt, "random", in_std, i),
-            TensorSpec(b + "attn_v.weight", (p.n_embd, n_kv), wt, "random", in_std, i),
-            TensorSpec(b + "attn_output.weight", (n_q, p.n_embd), wt, "random", eps / math.sqrt(n_q), i),
-            TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), f32, "ones", layer=i),
+            v_spec,
+            o_spec,
+            TensorSpec(b + "attn_q_norm.weight", (p.head_dim,), f32, "zeros" if ctx else "ones", layer=i),
             TensorSpec(b + "attn_k_norm.weight", (p.head_dim,), f32, "ones", layer=i),
             TensorSpec(b + "ffn_norm.weight", (p.n_embd,), f32, "ones", layer=i),
             TensorSpec(b + "ffn_gate_inp.weight", (p.n_embd, p.n_expert), f32, "router", layer=i),
@@ -202,10 +241,13 @@ def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0) ->
     return specs
 
 
-def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
+def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float,
+             context_mix: float = 0.0) -> list[tuple[str, object, ValueType]]:
     """The model KVs (everything but the tokenizer), in file order."""
     U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
     a = ARCH
+    # written only when set, so the models without it keep their bytes
+    ctx = [("moecache.synth.context_mix", context_mix, F32)] if context_mix > 0.0 else []
     return [
         ("general.architecture", a, STR),
         ("general.name", f"moecache synthetic {p.name} (random weights)", STR),
@@ -230,7 +272,7 @@ def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> l
         ("moecache.synth.seed", seed, U32),
         ("moecache.synth.routing_strength", routing_strength, F32),
         ("moecache.synth.n_clusters", p.n_clusters, U32),
-    ]
+    ] + ctx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +360,12 @@ def _chunk_jobs(p: Preset, st: Structure, spec: TensorSpec, index: int, seed: in
     """Callables that produce a tensor's bytes in order, each one deterministic on its own."""
     if spec.init == "ones":
         return [lambda: np.ones(spec.shape[0], dtype="<f4").view(np.uint8)]
+    if spec.init == "zeros":
+        return [lambda: np.zeros(spec.shape[0], dtype="<f4").view(np.uint8)]
+    if spec.init == "ctx_v":
+        return [lambda: gguf.quantize(context_projection(p, seed, spec.layer), spec.type)]
+    if spec.init == "ctx_out":
+        return [lambda: gguf.quantize(context_output(p, seed, spec.layer, spec.std), spec.type)]
     if spec.init == "router":
         return [lambda: router_weights(p, st, spec.layer, seed, routing_strength).reshape(-1).view(np.uint8)]
     if spec.init == "embed":
@@ -362,7 +410,7 @@ def tokenizer_kvs(tokenizer: str = "qwen2") -> list[gguf.KV]:
 
 
 def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, routing_strength: float,
-                threads: int, progress: bool) -> None:
+                threads: int, progress: bool, context_mix: float = 0.0) -> None:
     from ._progress import Progress
 
     tok = tokenizer_kvs(p.tokenizer)
@@ -370,10 +418,10 @@ def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, r
     if n_tokens != p.n_vocab:
         raise SynthError(f"the {p.tokenizer} vocab file has {n_tokens} tokens but preset {p.name} needs {p.n_vocab}; "
                          "reinstall moecache (its vocab files come from the pinned llama.cpp tree)")
-    specs = plan_tensors(p, wt)
+    specs = plan_tensors(p, wt, context_mix)
     st = make_structure(p, seed)
     w = gguf.GGUFWriter(out)
-    for key, value, vtype in plan_kvs(p, file_type, seed, routing_strength):
+    for key, value, vtype in plan_kvs(p, file_type, seed, routing_strength, context_mix):
         w.add(key, value, vtype)
     for kv in tok:
         w.add_kv(kv)
@@ -427,7 +475,7 @@ def _run_quantize(src: Path, dst: Path, quant: str, requantize: bool, threads: i
 
 def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: str = DEFAULT_QUANT, seed: int = 0,
                 routing_strength: float = 1.0, progress: bool = True, threads: int | None = None,
-                overwrite: bool = True) -> Path:
+                overwrite: bool = True, context_mix: float = 0.0) -> Path:
     """Write a synthetic qwen3moe model to `path` and return it.
 
     The file appears only when complete: it is written to a temporary file next to `path` and
@@ -442,6 +490,9 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
         raise SynthError(f"seed must be an integer in 0..2**32-1, got {seed!r}")
     if not (math.isfinite(routing_strength) and 0.0 <= routing_strength <= 10.0):
         raise SynthError(f"routing strength must be in 0..10 (0 = random router, 1 = default), got {routing_strength}")
+    if not (math.isfinite(context_mix) and 0.0 <= context_mix <= MAX_CONTEXT_MIX):
+        raise SynthError(f"context mix must be in 0..{MAX_CONTEXT_MIX:g} (0 = routing by token identity only), "
+                         f"got {context_mix}")
     path = Path(path)
     if path.exists() and not overwrite:
         raise SynthError(f"{path} exists; pass --force to overwrite it")
@@ -458,7 +509,7 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
     try:
         if quant in DIRECT_QUANTS:
             wt, ftype = DIRECT_QUANTS[quant]
-            _write_gguf(tmp, p, wt, ftype, seed, routing_strength, threads, progress)
+            _write_gguf(tmp, p, wt, ftype, seed, routing_strength, threads, progress, context_mix)
         else:
             _quantize_binary(quant)  # fail before writing the intermediate file
             f16_size = sum(s.nbytes for s in plan_tensors(p, GGMLType.F16))
@@ -467,7 +518,7 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
                                               dir=path.parent)
             os.close(fd)
             inter = Path(inter_name)
-            _write_gguf(inter, p, wt, ftype, seed, routing_strength, threads, progress)
+            _write_gguf(inter, p, wt, ftype, seed, routing_strength, threads, progress, context_mix)
             if progress:
                 print(f"synth: llama-quantize {wt.name} -> {quant.upper()} ...", file=sys.stderr, flush=True)
             _run_quantize(inter, tmp, quant, wt != GGMLType.F16, threads)
@@ -479,17 +530,21 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
     return path
 
 
-def cached_model_name(preset: str, quant: str | None = None, seed: int = 0) -> str:
-    """File name of a cached synthetic model, <preset>-<quant>-seed<N>-synth-v<SYNTH_VERSION>.gguf: with
-    the generator's version in it, a file that an older generator made is never taken for a new one."""
-    return f"{preset}-{(quant or DEFAULT_QUANT).lower()}-seed{seed}-synth-v{SYNTH_VERSION}.gguf"
+def cached_model_name(preset: str, quant: str | None = None, seed: int = 0, routing_strength: float = 1.0,
+                      context_mix: float = 0.0) -> str:
+    """File name of a cached synthetic model, <preset>-<quant>-seed<N>[-r<strength>][-c<mix>]-synth-v<SYNTH_VERSION>.gguf
+    (routing only where it is not the default): with the generator's version in it, a file that an
+    older generator made is never taken for a new one."""
+    routing = (f"-r{routing_strength:g}" if routing_strength != 1.0 else "") + (f"-c{context_mix:g}" if context_mix else "")
+    return f"{preset}-{(quant or DEFAULT_QUANT).lower()}-seed{seed}{routing}-synth-v{SYNTH_VERSION}.gguf"
 
 
-def cached_model_path(preset: str, quant: str | None = None, seed: int = 0) -> Path:
+def cached_model_path(preset: str, quant: str | None = None, seed: int = 0, routing_strength: float = 1.0,
+                      context_mix: float = 0.0) -> Path:
     """Where moecache caches a synthetic model (the demo's, a benchmark scenario's { synth = ... })."""
     from .orchestrator.upstream import cache_dir
 
-    return cache_dir() / "models" / cached_model_name(preset, quant, seed)
+    return cache_dir() / "models" / cached_model_name(preset, quant, seed, routing_strength, context_mix)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,14 +737,28 @@ def context_projection(p: Preset, seed: int, layer: int) -> np.ndarray:
     return (rng.standard_normal((n_kv, p.n_embd), dtype=np.float32) / np.float32(math.sqrt(p.n_embd)))
 
 
+def context_output(p: Preset, seed: int, layer: int, context_mix: float) -> np.ndarray:
+    """attn_output of a layer with a context term, (n_embd, n_head * head_dim) float32: query head h
+    reads KV head h // (n_head / n_head_kv) (ggml's GQA broadcast), and each KV head's mean value comes
+    back through P^T once in all, so its columns are context_mix / group * P^T[:, that KV head]."""
+    proj = context_projection(p, seed, layer)  # (n_kv, n_embd)
+    group = p.n_head // p.n_head_kv
+    hd = p.head_dim
+    out = np.empty((p.n_embd, p.n_head * hd), dtype=np.float32)
+    for h in range(p.n_head):
+        g = h // group
+        out[:, h * hd:(h + 1) * hd] = proj[g * hd:(g + 1) * hd].T * np.float32(context_mix / group)
+    return out
+
+
 def predicted_trace(preset: str | Preset, tokens: Sequence[int], seed: int = 0,
                     routing_strength: float = 1.0, context_mix: float = 0.0) -> np.ndarray:
     """The routing that a model of `preset` would get, from the float weights before quantization, without
     writing the model (e.g. for the qwen3-30b-a3b preset). Same approximation as reference_trace.
 
-    context_mix > 0 models a context term that the generator does not write yet: each layer's
-    attention attends uniformly to every earlier position, and its value/output projections carry a
-    random n_kv-dimensional subspace (context_projection), scaled by context_mix, into the residual:
+    context_mix > 0 models the context term that the generator writes with the same context_mix: each
+    layer's attention attends uniformly to every earlier position, and its value/output projections carry
+    a random n_kv-dimensional subspace (context_projection), scaled by context_mix, into the residual:
     h += context_mix * P^T P mean_{s <= t} norm(h_s); the router then sees norm(h). 0 = token identity only."""
     p = get_preset(preset)
     st = make_structure(p, seed)
@@ -741,6 +810,9 @@ def reference_trace(path: str | os.PathLike, tokens: Sequence[int]) -> np.ndarra
             x = r.tensor_rows("token_embd.weight", ids).astype(np.float64)
         except gguf.GGUFError as e:
             raise SynthError(f"{path}: the reference cannot read token_embd ({e})") from None
+        ctx = float(r.get("moecache.synth.context_mix", 0.0))
+        if ctx > 0.0:
+            return _reference_trace_context(r, arch, x, n_layer, k, eps)
         x = x / np.sqrt((x * x).mean(axis=1, keepdims=True) + eps)
         out = np.empty((len(ids), n_layer, k), dtype=np.int32)
         for il in range(n_layer):
@@ -750,6 +822,38 @@ def reference_trace(path: str | os.PathLike, tokens: Sequence[int]) -> np.ndarra
             top = np.argsort(-logits, axis=1, kind="stable")[:, :k]
             out[:, il, :] = top
         return out
+
+
+def _reference_trace_context(r: gguf.GGUFReader, arch: str, x: np.ndarray, n_layer: int, k: int,
+                             eps: float) -> np.ndarray:
+    """reference_trace of a model with a context term: each layer adds its attention output computed from
+    the file's attn_v and attn_output with uniform causal attention (its attn_q_norm is 0, so every
+    attention logit is 0), then routes norm(h)."""
+    n_head = int(r[f"{arch}.attention.head_count"])
+    n_head_kv = int(r[f"{arch}.attention.head_count_kv"])
+    hd = int(r[f"{arch}.attention.key_length"])
+    group = n_head // n_head_kv
+
+    def norm(v):
+        return v / np.sqrt((v * v).mean(axis=1, keepdims=True) + eps)
+
+    h = x
+    counts = np.arange(1, len(h) + 1, dtype=np.float64)[:, None]
+    out = np.empty((len(h), n_layer, k), dtype=np.int32)
+    for il in range(n_layer):
+        b = f"blk.{il}."
+        if np.any(r.tensor_rows(b + "attn_q_norm.weight") != 0):
+            raise SynthError(f"layer {il}: attn_q_norm is not 0, so its attention is not uniform; "
+                             "this reference cannot follow it")
+        xa = norm(h) * r.tensor_rows(b + "attn_norm.weight").astype(np.float64)
+        v = xa @ r.tensor_rows(b + "attn_v.weight").astype(np.float64).T  # (T, n_kv)
+        mean_v = np.cumsum(v, axis=0) / counts
+        heads = np.repeat(mean_v.reshape(len(h), n_head_kv, hd), group, axis=1).reshape(len(h), n_head * hd)
+        h = h + heads @ r.tensor_rows(b + "attn_output.weight").astype(np.float64).T
+        xf = norm(h) * r.tensor_rows(b + "ffn_norm.weight").astype(np.float64)
+        logits = xf @ r.tensor_rows(b + "ffn_gate_inp.weight").astype(np.float64).T
+        out[:, il, :] = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -878,6 +982,16 @@ def _strength(s: str) -> float:
     return v
 
 
+def _context_mix(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not (math.isfinite(v) and 0.0 <= v <= MAX_CONTEXT_MIX):
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_CONTEXT_MIX:g}, got {s}")
+    return v
+
+
 def _seed(s: str) -> int:
     try:
         v = int(s, 0)
@@ -928,8 +1042,15 @@ def build_parser(prog: str = "moecache synth") -> argparse.ArgumentParser:
                     help=f"weight type (default {DEFAULT_QUANT}). Written directly: {', '.join(DIRECT_QUANTS)}. "
                          f"Made with the built llama-quantize: {', '.join(QUANTIZE_QUANTS)}")
     ap.add_argument("--seed", type=_seed, default=0, help="random seed; the same seed gives the same bytes (default 0)")
-    ap.add_argument("--routing-strength", type=_strength, default=1.0,
+    ap.add_argument("--routing-strength", type=_strength, default=None,
                     help="how strongly routing follows token identity: 0 = random router, 1 = default, up to 10")
+    ap.add_argument("--context-mix", type=_context_mix, default=None,
+                    help=f"how strongly routing follows the context (uniform attention over the earlier tokens "
+                         f"through a random subspace): 0 = token identity only (default), up to {MAX_CONTEXT_MIX:g}")
+    ap.add_argument("--routing", choices=ROUTINGS, default="default",
+                    help="default: strength 1, no context term; calibrated: the preset's profile fitted to published "
+                         f"hit rates ({'; '.join(f'{n}: strength {a:g}, mix {b:g}' for n, (a, b) in ROUTING_PROFILES.items())}); "
+                         "--routing-strength / --context-mix override it")
     ap.add_argument("--threads", type=_positive, default=None,
                     help="worker threads for writing (default: all cores)")
     ap.add_argument("--force", action="store_true", help="overwrite OUT.gguf if it exists")
@@ -1002,8 +1123,14 @@ def main(argv: list[str] | None = None, prog: str = "moecache synth") -> int:
     if out.is_dir():
         ap.error(f"{out} is a folder")
     try:
-        write_model(out, preset=args.preset, quant=args.quant, seed=args.seed,
-                    routing_strength=args.routing_strength, progress=not args.quiet, threads=args.threads)
+        strength, mix = routing_profile(args.preset, args.routing)
+    except SynthError as e:
+        ap.error(f"--routing: {e}")
+    strength = strength if args.routing_strength is None else args.routing_strength
+    mix = mix if args.context_mix is None else args.context_mix
+    try:
+        write_model(out, preset=args.preset, quant=args.quant, seed=args.seed, routing_strength=strength,
+                    context_mix=mix, progress=not args.quiet, threads=args.threads)
     except KeyboardInterrupt:
         print("moecache synth: interrupted; nothing was written", file=sys.stderr)
         return 130
@@ -1012,5 +1139,5 @@ def main(argv: list[str] | None = None, prog: str = "moecache synth") -> int:
         return 1
     size = out.stat().st_size / (1 << 20)
     print(f"wrote {out} ({size:.1f} MiB): synthetic {ARCH} '{args.preset}' {args.quant}, seed {args.seed}, "
-          f"routing strength {args.routing_strength} (random weights: the text it generates is noise)")
+          f"routing strength {strength:g}, context mix {mix:g} (random weights: the text it generates is noise)")
     return 0

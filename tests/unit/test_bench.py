@@ -127,6 +127,20 @@ def test_select_arms_keeps_the_baseline(tmp_path):
         sc.select_arms(["bogus"])
 
 
+def test_synth_model_routing(tmp_path):
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace(
+        '"../model.gguf"', '{ synth = "qwen3-30b-a3b", quant = "q4_0", routing = "calibrated" }')))
+    assert sc.model.routing == "calibrated" and "calibrated routing" in sc.model.describe()
+    assert load_scenario(write_scenario(tmp_path, GOOD.replace('"../model.gguf"', '{ synth = "tiny" }'),
+                                        name="d.toml")).model.routing == "default"
+    for routing, message in (('"calibrated"', "preset 'tiny' has no calibrated routing"),
+                             ('"hot"', "unknown routing 'hot'"), ("3", "model.routing")):
+        path = write_scenario(tmp_path, GOOD.replace('"../model.gguf"', f'{{ synth = "tiny", routing = {routing} }}'),
+                              name="bad.toml")
+        with pytest.raises(ScenarioError, match=message):
+            load_scenario(path)
+
+
 def test_missing_model_file_is_a_scenario_error(tmp_path):
     path = write_scenario(tmp_path, GOOD.replace("../model.gguf", "../absent.gguf"))
     sc = load_scenario(path)

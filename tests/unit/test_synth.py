@@ -342,6 +342,83 @@ def test_predicted_trace_agrees_with_the_written_weights(tiny, real_tokens):
     assert agree > 0.95  # only Q8_0 rounding of the embedding differs
 
 
+# --------------------------------------------------------------------------- the context term
+
+
+def test_context_term_plan_and_metadata(tmp_path, vocab_path):
+    plain = {t.name: t for t in synth.plan_tensors("tiny")}
+    ctx = {t.name: t for t in synth.plan_tensors("tiny", GGMLType.Q8_0, context_mix=0.5)}
+    assert plain.keys() == ctx.keys()
+    assert all(plain[n].shape == ctx[n].shape and plain[n].type == ctx[n].type for n in plain)
+    for il in range(4):
+        b = f"blk.{il}."
+        assert (plain[b + "attn_v.weight"].init, ctx[b + "attn_v.weight"].init) == ("random", "ctx_v")
+        assert (plain[b + "attn_output.weight"].init, ctx[b + "attn_output.weight"].init) == ("random", "ctx_out")
+        assert (plain[b + "attn_q_norm.weight"].init, ctx[b + "attn_q_norm.weight"].init) == ("ones", "zeros")
+    changed = {n for n in plain if plain[n] != ctx[n]}
+    assert changed == {f"blk.{il}.{t}.weight" for il in range(4) for t in ("attn_v", "attn_output", "attn_q_norm")}
+    path = synth.write_model(tmp_path / "c.gguf", preset="tiny", seed=0, context_mix=0.5, progress=False)
+    with GGUFReader(path) as r:
+        assert r["moecache.synth.context_mix"] == pytest.approx(0.5)
+        assert np.all(r.tensor_rows("blk.1.attn_q_norm.weight") == 0)
+        p = synth.PRESETS["tiny"]
+        v = r.tensor_rows("blk.1.attn_v.weight")
+        proj = synth.context_projection(p, 0, 1)
+        assert v.shape == proj.shape and np.abs(v - proj).max() < 0.01 * np.abs(proj).max() + 1e-6  # Q8_0
+        o = r.tensor_rows("blk.1.attn_output.weight")
+        group, hd = p.n_head // p.n_head_kv, p.head_dim
+        # query head h reads KV head h // group: its columns are mix / group * that head's rows of P, transposed
+        for h in range(p.n_head):
+            want = 0.5 / group * proj[(h // group) * hd:(h // group + 1) * hd].T
+            assert np.abs(o[:, h * hd:(h + 1) * hd] - want).max() < 0.01 * np.abs(want).max() + 1e-7
+
+
+def test_without_a_context_term_the_metadata_has_no_key(tiny):
+    with GGUFReader(tiny) as r:
+        assert r.get("moecache.synth.context_mix") is None
+
+
+def test_context_reference_follows_the_written_weights(tmp_path, vocab_path, real_tokens):
+    """reference_trace of a context model (from its attn_v / attn_output) equals the numpy prediction
+    up to Q8_0 rounding, and both differ clearly from token-identity routing in the deeper layers."""
+    path = synth.write_model(tmp_path / "c.gguf", preset="tiny", seed=0, context_mix=0.5, progress=False)
+    tokens = real_tokens[:800]
+    ref = synth.reference_trace(path, tokens)
+    pred = synth.predicted_trace("tiny", tokens, seed=0, context_mix=0.5)
+    plain = synth.predicted_trace("tiny", tokens, seed=0)
+
+    def agree(a, b, il):
+        return np.mean([len(set(x) & set(y)) / 4 for x, y in zip(a[:, il], b[:, il])])
+
+    for il in range(4):
+        assert agree(ref, pred, il) > 0.97, il
+    assert agree(ref, plain, 3) < 0.75
+
+
+def test_routing_profiles_and_bad_mixes(tmp_path, vocab_path):
+    assert synth.routing_profile("tiny", "default") == (1.0, 0.0)
+    assert synth.routing_profile("qwen3-30b-a3b", "calibrated") == synth.ROUTING_PROFILES["qwen3-30b-a3b"]
+    with pytest.raises(synth.SynthError, match="no calibrated routing; presets with one: qwen3-30b-a3b"):
+        synth.routing_profile("tiny", "calibrated")
+    with pytest.raises(synth.SynthError, match="unknown routing 'hot'"):
+        synth.routing_profile("tiny", "hot")
+    for bad in (-0.1, 2.5, float("nan")):
+        with pytest.raises(synth.SynthError, match="context mix must be in 0..2"):
+            synth.write_model(tmp_path / "x.gguf", preset="tiny", context_mix=bad, progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_context_mix_and_calibrated_routing(tmp_path, vocab_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert synth.main([str(out), "--preset", "tiny", "--quiet", "--context-mix", "0.3"]) == 0
+    assert "context mix 0.3" in capsys.readouterr().out
+    with GGUFReader(out) as r:
+        assert r["moecache.synth.context_mix"] == pytest.approx(0.3)
+    with pytest.raises(SystemExit) as e:
+        synth.main([str(tmp_path / "n.gguf"), "--preset", "tiny", "--routing", "calibrated"])
+    assert e.value.code == 2 and "no calibrated routing" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_qwen3_30b_routing_is_skewed_without_writing_it(real_tokens):
     tr = synth.predicted_trace("qwen3-30b-a3b", real_tokens[:1500], seed=0)
@@ -368,7 +445,7 @@ def test_cli_help_lists_every_flag(capsys):
         synth.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--preset", "--quant", "--seed", "--routing-strength", "--force", "--stats", "--text", "--json",
+    for flag in ("--preset", "--quant", "--seed", "--routing-strength", "--context-mix", "--routing", "--force", "--stats", "--text", "--json",
                  "--max-tokens", "--backend", "--threads", "--quiet", "--list-presets", "qwen3-30b-a3b", "q4_k_m"):
         assert flag in out, flag
 
@@ -379,6 +456,8 @@ def test_cli_help_lists_every_flag(capsys):
     (["x.gguf", "--routing-strength", "-1"], "must be in 0..10"),
     (["x.gguf", "--routing-strength", "abc"], "not a number"),
     (["x.gguf", "--seed", "-3"], "must be in 0..4294967295"),
+    (["x.gguf", "--context-mix", "3"], "must be in 0..2"),
+    (["x.gguf", "--routing", "hot"], "invalid choice: 'hot'"),
     (["x.txt"], "must end in .gguf"),
     ([], "OUT.gguf is required"),
     (["stats"], "stats needs a MODEL"),
@@ -434,6 +513,11 @@ def test_cached_model_names_carry_the_generator_version(tmp_path, monkeypatch):
         assert path.parent == tmp_path / "models", where
         assert f"synth-v{synth.SYNTH_VERSION}" in path.name, where
     assert now["bench"].name == synth.cached_model_name("qwen3-30b-a3b", "q4_0", 0)
+    # a calibrated routing is another file, named by its profile
+    cal = runner.synth_cache_path(ModelSpec(synth="qwen3-30b-a3b", quant="q4_0", routing="calibrated"))
+    strength, mix = synth.ROUTING_PROFILES["qwen3-30b-a3b"]
+    assert cal.name == synth.cached_model_name("qwen3-30b-a3b", "q4_0", 0, strength, mix) != now["bench"].name
+    assert f"-r{strength:g}-c{mix:g}-synth" in cal.name
     # the default quant is spelled out, so { synth = "tiny" } and quant = "q8_0" share one file
     assert now["bench default quant"].name == synth.cached_model_name("tiny", synth.DEFAULT_QUANT, 0)
     monkeypatch.setattr(synth, "SYNTH_VERSION", synth.SYNTH_VERSION + 1)

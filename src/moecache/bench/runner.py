@@ -29,9 +29,10 @@ class BenchError(RuntimeError):
 
 
 def synth_cache_path(spec: ModelSpec) -> Path:
-    from ..synth import cached_model_path
+    from ..synth import cached_model_path, routing_profile
 
-    return cached_model_path(spec.synth, spec.quant, spec.seed)
+    strength, mix = routing_profile(spec.synth, spec.routing)
+    return cached_model_path(spec.synth, spec.quant, spec.seed, strength, mix)
 
 
 def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: TextIO | None = None
@@ -43,8 +44,8 @@ def resolve_model(spec: ModelSpec, scenario_path: Path, make: bool = True, out: 
     elif spec.synth:
         path = synth_cache_path(spec)
         if make:
-            ensure_synth_model(path, spec.synth, seed=spec.seed, quant=spec.quant, out=out)
-        info = {"synth": spec.synth, "quant": spec.quant, "seed": spec.seed}
+            ensure_synth_model(path, spec.synth, seed=spec.seed, quant=spec.quant, out=out, routing=spec.routing)
+        info = {"synth": spec.synth, "quant": spec.quant, "seed": spec.seed, "routing": spec.routing}
     else:
         p = Path(spec.path).expanduser()
         candidates = [p] if p.is_absolute() else [scenario_path.parent / p, Path.cwd() / p]

