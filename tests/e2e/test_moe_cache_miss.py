@@ -123,3 +123,28 @@ def test_bad_miss_flags_fail_with_a_clear_error(tiny_model, llama_server_bin, fl
         with ServerProcess(tiny_model, args=BASE_ARGS + [flag, value], timeout=60):
             pass
     assert flag in str(e.value) and value in str(e.value)
+
+
+@pytest.mark.parametrize("miss", ["cpu", "gpu"])
+def test_a_layer_with_every_expert_in_a_slot_runs_no_miss_branch(tiny_model, stock, miss):
+    """As many slots as experts: once a layer's slots hold all of them it has no misses, and its graphs
+    drop the miss branch (with the misses on the CPU, the layer's CPU split). The output stays the
+    stock one while the layers fill and after."""
+    args = ["--moe-cache-slots", "16", "--moe-cache-miss", miss, "--moe-cache-max-uploads", "16",
+            "--moe-cache-rebalance-interval", "2"]
+    warm = [PROMPTS[0] * 4]
+    outs, st, _, _ = run(tiny_model, args, HOST, prompts=warm + PROMPTS)
+    for a, b in zip(stock, outs[1:]):
+        assert a["tokens"] == b["tokens"]
+        assert logprobs(a) == logprobs(b)
+    assert all(layer["complete"] is True for layer in st["layers"]), [layer["complete"] for layer in st["layers"]]
+    assert st["total"]["misses"] > 0  # the layers filled during the run
+
+
+def test_an_incomplete_layer_keeps_its_miss_branch(tiny_model, stock):
+    """One slot short of every expert: the layers never become complete."""
+    args = ["--moe-cache-slots", "15", "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "2"]
+    outs, st, _, _ = run(tiny_model, args, HOST)
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+    assert not any(layer["complete"] for layer in st["layers"])
