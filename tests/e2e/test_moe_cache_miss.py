@@ -54,6 +54,7 @@ def test_misses_on_the_device_give_the_stock_output(tiny_model, stock):
     assert tot["n_miss_device"] == N_LAYER and tot["route_switches"] == 0
     assert all(layer["miss"] == "device" and layer["mapped"] is True for layer in st["layers"])
     assert tot["misses"] > 0 and tot["misses"] == tot["n_tokens"] * N_USED * N_LAYER
+    assert tot["n_steps"] >= 32 * len(PROMPTS)  # one per decode: every generated token
     assert f"llamacpp:moe_cache_miss_device_layers {N_LAYER}" in metrics
 
 

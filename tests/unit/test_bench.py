@@ -333,7 +333,8 @@ class H(BaseHTTPRequestHandler):
                         **({"prefill_swap": swap} if swap["enabled"] else {}),
                         "total": {"hits": 75, "misses": 25, "hit_rate": 0.75, "hit_rate_recent": 0.8,
                                   "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
-                                  "step_ms_max": 0.25, "bytes_vram": slots * 4 << 20, "batches_cached": 30,
+                                  "step_ms_max": 0.25, "step_ms_total": 1.5, "n_steps": 12,
+                                  "bytes_vram": slots * 4 << 20, "batches_cached": 30,
                                   "batches_bypassed": {"batch": 2, "warmup": 1}},
                         "layers": []})
         else: self.reply({"error": "no"}, 404)
@@ -451,10 +452,13 @@ def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_se
     assert "moe_cache" not in arms["off"]  # "enabled": false
     assert arms["small"]["moe_cache"] == {
         "hit_rate": 0.75, "hit_rate_recent": 0.8, "uploads": 40, "bytes_uploaded": 40 << 20, "evictions": 8,
-        "step_ms_max": 0.25, "n_slots": 16, "bytes_vram": 64 << 20, "batches_cached": 30, "batches_bypassed": 2}
+        "step_ms_max": 0.25, "step_ms_total": 1.5, "n_steps": 12, "n_slots": 16, "bytes_vram": 64 << 20,
+        "batches_cached": 30, "batches_bypassed": 2}
     [md] = list(out.glob("*-t.md"))
     text = md.read_text()
     assert "| hit rate | cache MiB |" in text
+    cache_row = next(line for line in text.splitlines() if line.startswith("| small | 75.0% | 80.0% |"))
+    assert "| 0.125 | 0.25 |" in cache_row  # mean step ms = 1.5 ms / 12 steps, then the max
     small = next(line for line in text.splitlines() if line.startswith("| small | `"))
     assert "| 75.0% | 64.0 |" in small
 
@@ -535,7 +539,8 @@ def test_moe_cache_summary_reads_the_totals():
                                   "total": {"hit_rate": 0.5, "uploads": 3, "bytes_vram": 1024, "evictions": True,
                                             "batches_cached": 40, "batches_bypassed": {"batch": 3, "warmup": 1}}})
     assert s == {"hit_rate": 0.5, "hit_rate_recent": None, "uploads": 3, "bytes_uploaded": None,
-                 "evictions": None, "step_ms_max": None, "n_slots": 8, "bytes_vram": 1024,
+                 "evictions": None, "step_ms_max": None, "step_ms_total": None, "n_steps": None,
+                 "n_slots": 8, "bytes_vram": 1024,
                  "batches_cached": 40, "batches_bypassed": 3}  # bypassed: over the max batch, not the warm-up
     # flat answers (no "total") work too; "config" fills what the totals lack
     flat = runner.moe_cache_summary({"enabled": True, "hit_rate": 0.9, "config": {"n_slots": 4}})
@@ -564,7 +569,7 @@ def test_report_shows_the_expert_cache_only_when_an_arm_has_one():
     assert broken.rstrip().endswith("| - | - | FAILED: out of memory |")
     detail = next(line for line in arms.splitlines() if line.startswith("| fast | 81.2%"))
     assert [c.strip() for c in detail.strip("|").split("|")] == [
-        "fast", "81.2%", "90.0%", "1200", "3072.0", "900", "32", "1536.0", "0.42", "86", "3"]
+        "fast", "81.2%", "90.0%", "1200", "3072.0", "900", "32", "1536.0", "-", "0.42", "86", "3"]
     # every table row has as many cells as its header
     for block in arms.split("\n\n"):
         rows = [line for line in block.splitlines() if line.startswith("|")]

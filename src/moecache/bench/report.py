@@ -380,22 +380,26 @@ def render_markdown(run: dict) -> str:
             "the server's `/moe-cache` after its last request: the share of routed (token, expert) pairs "
             "that a slot served (overall and over the last 256 tokens), experts uploaded into slots and "
             "the evictions among them, the slots per cached layer, the memory of the slot banks, the "
-            "longest time a decode step spent in the cache's bookkeeping, and the batches that ran through "
+            "mean and the longest time a step spent in the cache's bookkeeping before its decode (the "
+            "routed ids counted, uploads published and planned), and the batches that ran through "
             "the cache or bypassed it for having more tokens than its max batch (prompts, and verify "
             "batches that did not fit).",
             "",
             "| arm | hit rate | recent hit rate | uploads | uploaded MiB | evictions | slots/layer | cache MiB "
-            "| max step ms | batches cached | bypassed |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| mean step ms | max step ms | batches cached | bypassed |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for a in cached:
             c = a["moe_cache"]
             step = c.get("step_ms_max")
+            total, n = c.get("step_ms_total"), c.get("n_steps")
+            mean = total / n if total is not None and n else None
             lines.append(
                 f"| {_md_cell(a['name'])} | {_fmt_rate(c.get('hit_rate'))} | {_fmt_rate(c.get('hit_rate_recent'))} "
                 f"| {_fmt_count(c.get('uploads'))} | {_fmt_mib(c.get('bytes_uploaded'))} "
                 f"| {_fmt_count(c.get('evictions'))} | {_fmt_count(c.get('n_slots'))} "
-                f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if step is None else f'{step:.2f}'} "
+                f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if mean is None else f'{mean:.3f}'} "
+                f"| {'-' if step is None else f'{step:.2f}'} "
                 f"| {_fmt_count(c.get('batches_cached'))} | {_fmt_count(c.get('batches_bypassed'))} |")
     lines += [
         "",

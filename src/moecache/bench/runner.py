@@ -341,7 +341,7 @@ def server_n_ctx(srv: ServerProcess) -> int | None:
 
 
 # the hot-expert cache's totals that a run records per arm (from the server's GET /moe-cache)
-MOE_CACHE_FIELDS = ("hit_rate", "hit_rate_recent", "uploads", "bytes_uploaded", "evictions", "step_ms_max",
+MOE_CACHE_FIELDS = ("hit_rate", "hit_rate_recent", "uploads", "bytes_uploaded", "evictions", "step_ms_max", "step_ms_total", "n_steps",
                     "n_slots", "bytes_vram", "batches_cached", "batches_bypassed")
 
 
