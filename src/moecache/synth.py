@@ -81,6 +81,27 @@ class Preset:
     rms_eps: float = 1e-6
     n_vocab: int = 151936  # the qwen2 tokenizer
     tokenizer: str = "qwen2"
+    # the architecture; qwen35moe and qwen4exp use the fields below (synth_archs.py), qwen3moe none of them
+    arch: str = "qwen3moe"
+    n_ff_shexp: int = 0  # shared expert FFN length
+    full_attention_interval: int = 0  # every N-th layer is full attention, the others linear attention (GDN)
+    n_rot: int = 0  # rotary dims (0 = head_dim)
+    rope_sections: tuple[int, ...] = ()  # multi-rope sections (rotary pairs per section)
+    ssm_conv_kernel: int = 0  # GDN: conv kernel, head size, key heads, value heads
+    ssm_state_size: int = 0
+    ssm_group_count: int = 0
+    ssm_time_step_rank: int = 0
+    hc_count: int = 0  # qwen4exp: hyper-connection streams and their low rank
+    hc_low_rank: int = 0
+    indexer_n_head: int = 0  # qwen4exp QSA: indexer heads, head size, top-k tokens, tokens per block
+    indexer_head_dim: int = 0
+    indexer_top_k: int = 0
+    compress_ratio: int = 0
+    ple_ngram_size: int = 0  # qwen4exp n-gram embedding: n, hash heads per n-gram, conv kernel,
+    ple_heads_per_ngram: int = 0  # rows per head (the largest primes up to it) and its layer
+    ple_conv_kernel: int = 0
+    ple_head_vocab: int = 0
+    ple_layer: int = 0
 
     @property
     def n_clusters(self) -> int:
@@ -110,6 +131,50 @@ PRESETS: dict[str, Preset] = {
                     "16 heads of 256 (2 KV); ~41 GiB at q4_0",
         n_layer=48, n_embd=2048, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff=5120,
         n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=262144),
+    # the hybrid archs (synth_archs.py); where a number is not published the description says so
+    "tiny-qwen35moe": Preset(
+        name="tiny-qwen35moe", arch="qwen35moe",
+        description="for tests: qwen35moe, 4 layers (3 linear-attention, 1 gated attention), d_model 64, "
+                    "16 experts (top-4) + a shared expert; ~22 MB at q8_0",
+        n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_ff_shexp=64,
+        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096, rope_freq_base=10_000_000.0,
+        full_attention_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
+        ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4),
+    "tiny-qwen4exp": Preset(
+        name="tiny-qwen4exp", arch="qwen4exp",
+        description="for tests: qwen4exp, 4 layers (3 linear-attention, 1 QSA with its block indexer, PLE on "
+                    "layer 0), d_model 64, 4 hyper-connection streams, 16 experts (top-4) + a shared expert; "
+                    "~22 MB at q8_0",
+        n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_ff_shexp=64,
+        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096, rope_freq_base=10_000_000.0,
+        full_attention_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
+        ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4,
+        hc_count=4, hc_low_rank=8, indexer_n_head=2, indexer_head_dim=32, indexer_top_k=8, compress_ratio=4,
+        ple_ngram_size=3, ple_heads_per_ngram=1, ple_conv_kernel=4, ple_head_vocab=1024, ple_layer=0),
+    "qwen3.5-122b-a10b": Preset(
+        name="qwen3.5-122b-a10b", arch="qwen35moe",
+        description="Qwen3.5-122B-A10B (qwen35moe): 48 layers (36 gated-delta-net, 12 gated attention), d_model 3072, "
+                    "256 experts (top-8) + a shared expert, expert FFN 1024, 32 heads of 256 (2 KV), GDN 16 key / "
+                    "64 value heads of 128, 262k context; the qwen2 tokenizer (151,936 tokens: the real 248,320-token "
+                    "vocab is not in the pinned tree) and no MTP layer; ~64 GiB at q4_0 (fits a 125 GB machine)",
+        n_layer=48, n_embd=3072, n_expert=256, n_expert_used=8, n_ff_exp=1024, n_ff=1024, n_ff_shexp=1024,
+        n_head=32, n_head_kv=2, head_dim=256, n_ctx_train=262144, rope_freq_base=10_000_000.0,
+        full_attention_interval=4, n_rot=64, rope_sections=(11, 11, 10, 0),
+        ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=64),
+    "qwen3.8-flash-next": Preset(
+        name="qwen3.8-flash-next", arch="qwen4exp",
+        description="Qwen3.8-Flash-Next (qwen4exp): 48 layers (36 gated-delta-net, 12 QSA with indexer top-k 2048 "
+                    "and compress ratio 4), 512 experts (top-10), a PLE n-gram table of ~29 GB; not published, "
+                    "taken from Qwen3-Next-80B-A3B: d_model 2048, expert and shared FFN 512, 16 heads of 256 (2 KV), "
+                    "GDN 16 key / 32 value heads of 128; not published, plausible: 4 hyper-connection streams of "
+                    "rank 128, 16 indexer heads of 128, 3-gram PLE with 8 heads per n-gram on layer 0; qwen2 "
+                    "tokenizer, no MTP layer; ~69 GiB at q4_0 (fits a 125 GB machine)",
+        n_layer=48, n_embd=2048, n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff=5120, n_ff_shexp=512,
+        n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=262144, rope_freq_base=10_000_000.0,
+        full_attention_interval=4, n_rot=64, rope_sections=(11, 11, 10, 0),
+        ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
+        hc_count=4, hc_low_rank=128, indexer_n_head=16, indexer_head_dim=128, indexer_top_k=2048, compress_ratio=4,
+        ple_ngram_size=3, ple_heads_per_ngram=8, ple_conv_kernel=4, ple_head_vocab=25_000_000, ple_layer=0),
 }
 
 # routing fitted to published LRU hit rates of the real models on real text (routing_strength,
@@ -195,6 +260,16 @@ def get_preset(preset: str | Preset) -> Preset:
         raise SynthError(f"unknown preset {preset!r}. Presets: {', '.join(PRESETS)}") from None
 
 
+def _arch_module(p: Preset, context_mix: float = 0.0):
+    """synth_archs, which writes the other architectures (imported here: it imports this module)."""
+    from . import synth_archs
+
+    if context_mix > 0.0:
+        raise SynthError(f"the context term (context_mix) is written for qwen3moe only, not for {p.arch} "
+                         f"(preset {p.name})")
+    return synth_archs
+
+
 def residual_scale(p: Preset) -> float:
     """Relative size of one residual update (2 per layer) so that all of them together drift ~RESIDUAL_DRIFT."""
     return RESIDUAL_DRIFT / math.sqrt(2 * p.n_layer)
@@ -205,6 +280,8 @@ def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0,
     """The tensors of a model, in file order, without writing anything."""
     p = get_preset(preset)
     wt = GGMLType(weight_type)
+    if p.arch != ARCH:
+        return _arch_module(p, context_mix).plan_tensors(p, wt)
     n_q = p.n_head * p.head_dim
     n_kv = p.n_head_kv * p.head_dim
     eps = residual_scale(p)
@@ -244,6 +321,8 @@ def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0,
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float,
              context_mix: float = 0.0) -> list[tuple[str, object, ValueType]]:
     """The model KVs (everything but the tokenizer), in file order."""
+    if p.arch != ARCH:
+        return _arch_module(p, context_mix).plan_kvs(p, file_type, seed, routing_strength)
     U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
     a = ARCH
     # written only when set, so the models without it keep their bytes
@@ -358,6 +437,8 @@ def _random_raw_blocks(rng: np.random.Generator, n_blocks: int, wt: GGMLType, st
 def _chunk_jobs(p: Preset, st: Structure, spec: TensorSpec, index: int, seed: int,
                 routing_strength: float) -> list[Callable[[], np.ndarray]]:
     """Callables that produce a tensor's bytes in order, each one deterministic on its own."""
+    if spec.init == "fill":  # a constant of any shape (synth_archs)
+        return _arch_module(p).fill_chunks(spec)
     if spec.init == "ones":
         return [lambda: np.ones(spec.shape[0], dtype="<f4").view(np.uint8)]
     if spec.init == "zeros":
@@ -802,6 +883,9 @@ def reference_trace(path: str | os.PathLike, tokens: Sequence[int]) -> np.ndarra
     """
     with gguf.GGUFReader(path) as r:
         arch = r["general.architecture"]
+        if arch != ARCH:
+            raise SynthError(f"{path}: the numpy routing reference follows qwen3moe models only, not {arch}; "
+                             "read the routing from the model itself (--backend core)")
         n_layer = int(r[f"{arch}.block_count"])
         k = int(r[f"{arch}.expert_used_count"])
         eps = float(r.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6))
@@ -1029,8 +1113,9 @@ def build_parser(prog: str = "moecache synth") -> argparse.ArgumentParser:
     presets = "; ".join(f"{n}: {p.description}" for n, p in PRESETS.items())
     ap = argparse.ArgumentParser(
         prog=prog,
-        description="Write a synthetic MoE GGUF (qwen3moe) with real shapes, the real qwen2 tokenizer and random "
-                    "weights whose expert routing follows token identity; or, with --stats, report the routing "
+        description="Write a synthetic MoE GGUF (qwen3moe, qwen35moe or qwen4exp) with real shapes, the real qwen2 "
+                    "tokenizer and random weights whose expert routing follows token identity; or, with --stats, "
+                    "report the routing "
                     "statistics of real text through a model.",
         epilog="examples:\n  moecache synth tiny.gguf --preset tiny\n"
                "  moecache synth big.gguf --preset qwen3-30b-a3b --quant q4_0\n"
@@ -1138,6 +1223,7 @@ def main(argv: list[str] | None = None, prog: str = "moecache synth") -> int:
         print(f"moecache synth: {e}", file=sys.stderr)
         return 1
     size = out.stat().st_size / (1 << 20)
-    print(f"wrote {out} ({size:.1f} MiB): synthetic {ARCH} '{args.preset}' {args.quant}, seed {args.seed}, "
+    print(f"wrote {out} ({size:.1f} MiB): synthetic {get_preset(args.preset).arch} '{args.preset}' {args.quant}, "
+          f"seed {args.seed}, "
           f"routing strength {strength:g}, context mix {mix:g} (random weights: the text it generates is noise)")
     return 0

@@ -87,7 +87,7 @@ def test_unknown_preset_lists_the_presets():
 
 
 def test_residual_updates_are_small_and_router_is_f32():
-    for p in synth.PRESETS.values():
+    for p in (p for p in synth.PRESETS.values() if p.arch == "qwen3moe"):  # the others: test_synth_archs.py
         assert synth.residual_scale(p) * math.sqrt(2 * p.n_layer) == pytest.approx(synth.RESIDUAL_DRIFT)
         specs = {s.name: s for s in synth.plan_tensors(p)}
         # attn_output: entries of the update ~ std * sqrt(n_q) ~ the residual scale, far below the hidden's ~1
