@@ -149,3 +149,26 @@ def test_an_incomplete_layer_keeps_its_miss_branch(tiny_model, stock):
     for a, b in zip(stock, outs):
         assert a["tokens"] == b["tokens"]
     assert not any(layer["complete"] for layer in st["layers"])
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["one-ffn", "two-branches"])
+def test_hits_and_device_misses_in_one_expert_ffn(tiny_model, stock, table):
+    """Patch 0022: with the misses on a device that reads address tables, a cached layer runs one expert
+    FFN whose experts are read at their table addresses (a slot, or the mapped host matrix), the stock
+    graph's nodes only; LLAMA_MOE_CACHE_NO_TABLE=1 keeps the two branches. Both give the stock output
+    bit for bit while slots fill and serve hits."""
+    args = ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu", "--moe-cache-max-uploads", "8",
+            "--moe-cache-rebalance-interval", "4"]
+    env = HOST if table else {**HOST, "LLAMA_MOE_CACHE_NO_TABLE": "1"}
+    outs, st, _, _ = run(tiny_model, args, env)
+    same_as_stock(stock, outs)
+    assert [layer["table"] for layer in st["layers"]] == [table] * N_LAYER
+    tot = st["total"]
+    assert tot["hits"] > 0 and tot["misses"] > 0 and tot["uploads"] > 0 and tot["n_miss_device"] == N_LAYER
+
+
+def test_cpu_misses_never_use_the_tables(tiny_model, stock):
+    """The tables need the misses on the device: --moe-cache-miss cpu keeps the hybrid graph."""
+    outs, st, _, _ = run(tiny_model, ["--moe-cache-slots", "8"], EMPTY)
+    same_as_stock(stock, outs)
+    assert not any(layer["table"] for layer in st["layers"])

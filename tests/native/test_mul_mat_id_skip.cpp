@@ -1,6 +1,8 @@
 // MUL_MAT_ID skip ids on the CPU (patch 0001): a row whose id is < 0 is zero, and every other row
-// equals the same product computed with no id skipped. test-backend-ops checks other backends
-// against the CPU; this checks the CPU itself, so it runs where there is no second backend.
+// equals the same product computed with no id skipped. ggml_mul_mat_id_table (patch 0021): matrices
+// read through an address table, half of them from another tensor, give the plain op's result bit
+// for bit. test-backend-ops checks other backends against the CPU; this checks the CPU itself, so it
+// runs where there is no second backend.
 
 #include "ggml.h"
 #include "ggml-cpu.h"
@@ -124,6 +126,76 @@ static int run_case(ggml_type type, int n_tokens, int pattern, int n_threads, st
     return failures;
 }
 
+// ggml_mul_mat_id_table: the odd matrices are read from a second tensor that holds them in reverse
+// order, through the table; the result equals ggml_mul_mat_id over the first tensor exactly
+static int run_table_case(ggml_type type, int n_tokens, int n_threads, std::mt19937 & rng) {
+    const int64_t k = 256, m = 64;
+    const int n_mats = 8, n_used = 4;
+
+    ggml_init_params ip = { /*.mem_size =*/ 64u << 20, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * as    = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
+    ggml_tensor * other = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
+    {
+        std::vector<float> w(k * m * n_mats);
+        fill_uniform(w.data(), w.size(), rng);
+        if (type == GGML_TYPE_F32) {
+            memcpy(as->data, w.data(), w.size() * sizeof(float));
+        } else {
+            ggml_quantize_chunk(type, w.data(), as->data, 0, m * n_mats, k, nullptr);
+        }
+        for (int e = 0; e < n_mats; e++) {
+            memcpy((char *) other->data + (n_mats - 1 - e) * other->nb[2], (char *) as->data + e * as->nb[2], as->nb[2]);
+        }
+    }
+    ggml_tensor * table = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_mats);
+    for (int e = 0; e < n_mats; e++) {
+        const char * at = e % 2 ? (const char *) other->data + (n_mats - 1 - e) * other->nb[2] : (const char *) as->data + e * as->nb[2];
+        ((int64_t *) table->data)[e] = (int64_t) (intptr_t) at;
+    }
+    // poison the matrices the table replaces: the op must not read them
+    for (int e = 1; e < n_mats; e += 2) {
+        memset((char *) as->data + e * as->nb[2], 0x7f, as->nb[2]);
+    }
+    ggml_tensor * plain = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
+    for (int e = 0; e < n_mats; e++) {
+        memcpy((char *) plain->data + e * plain->nb[2], (const char *) (intptr_t) ((int64_t *) table->data)[e], plain->nb[2]);
+    }
+
+    ggml_tensor * b = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, n_used, n_tokens);
+    fill_uniform((float *) b->data, ggml_nelements(b), rng);
+    ggml_tensor * ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
+    std::vector<int> order(n_mats);
+    for (int t = 0; t < n_tokens; t++) {
+        for (int i = 0; i < n_mats; i++) {
+            order[i] = i;
+        }
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int s = 0; s < n_used; s++) {
+            ((int32_t *) ids->data)[t * n_used + s] = order[s];
+        }
+    }
+
+    ggml_tensor * want = ggml_mul_mat_id(ctx, plain, b, ids);
+    ggml_tensor * got  = ggml_mul_mat_id_table(ctx, as, b, ids, table);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, want);
+    ggml_build_forward_expand(gf, got);
+    if (ggml_graph_compute_with_ctx(ctx, gf, n_threads) != GGML_STATUS_SUCCESS) {
+        printf("FAIL table %s n_tokens=%d: graph compute failed\n", ggml_type_name(type), n_tokens);
+        ggml_free(ctx);
+        return 1;
+    }
+    int failures = 0;
+    if (memcmp(got->data, want->data, ggml_nbytes(want)) != 0) {
+        printf("FAIL table %s n_tokens=%d: the result differs from the plain op's\n", ggml_type_name(type), n_tokens);
+        failures++;
+    }
+    ggml_free(ctx);
+    return failures;
+}
+
 int main(int argc, char ** argv) {
     const int n_threads = argc > 1 ? atoi(argv[1]) : 2;
     const ggml_type types[] = { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K };
@@ -142,5 +214,15 @@ int main(int argc, char ** argv) {
         }
     }
     printf("%d passed, %d failed\n", n_cases - n_failed, n_failed);
-    return n_failed == 0 ? 0 : 1;
+    int n_table = 0, n_table_failed = 0;
+    for (ggml_type type : types) {
+        for (int n_tokens : token_counts) {
+            n_table++;
+            if (run_table_case(type, n_tokens, n_threads, rng) != 0) {
+                n_table_failed++;
+            }
+        }
+    }
+    printf("table: %d passed, %d failed\n", n_table - n_table_failed, n_table_failed);
+    return n_failed == 0 && n_table_failed == 0 ? 0 : 1;
 }

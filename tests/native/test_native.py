@@ -23,6 +23,8 @@ def test_mul_mat_id_skip_ids_on_cpu():
     """Patch 0001: MUL_MAT_ID rows with id < 0 are zero, the others unchanged (F32/F16/Q4_0/Q8_0/Q4_K, 1..64 tokens)."""
     out = run_native("test-mul-mat-id-skip", "2")
     assert "140 passed, 0 failed" in out, out[-2000:]
+    # ggml_mul_mat_id_table (patch 0021): matrices through an address table equal the plain op bit for bit
+    assert "table: 35 passed, 0 failed" in out, out[-2000:]
 
 
 def test_moe_cache_policies():
