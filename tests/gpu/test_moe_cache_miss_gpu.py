@@ -79,3 +79,39 @@ def test_a_failed_mapping_on_cuda_keeps_the_cpu_misses(demo_model, stock):
     assert st["enabled"] and st["total"]["n_miss_device"] == 0
     for a, b in zip(stock, outs):
         assert a["tokens"] == b["tokens"]
+
+
+@pytest.fixture(scope="module")
+def all_in_vram(demo_model):
+    """Every expert in VRAM: the stock GPU graph that the one-FFN path must reproduce."""
+    args = [a for a in BASE_ARGS if a != "--cpu-moe"]
+    with ServerProcess(demo_model, args=args, timeout=180) as srv:
+        yield [complete(srv, p) for p in PROMPTS]
+
+
+def test_one_expert_ffn_on_cuda_is_the_all_in_vram_result(demo_model, all_in_vram):
+    """Patches 0021-0022 on CUDA: hits (slots) and misses (host experts read in place) run in one
+    expert FFN through the expert tables, i.e. the same mmvq kernels over the same bytes as with every
+    expert in VRAM: the same tokens and log-probabilities, bit for bit, while the slots fill."""
+    args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "gpu", "--moe-cache-max-uploads", "16",
+                        "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(demo_model, args=args, timeout=180) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+    assert all(layer["table"] for layer in st["layers"]), [layer["table"] for layer in st["layers"]]
+    assert st["total"]["hits"] > 0 and st["total"]["misses"] > 0, st["total"]
+    for a, b in zip(all_in_vram, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) == 0.0
+
+
+def test_without_tables_cuda_keeps_two_branches(demo_model, stock):
+    """LLAMA_MOE_CACHE_NO_TABLE=1: the two-branch graph, as before patch 0022; the stock tokens."""
+    args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "gpu"]
+    with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_NO_TABLE": "1"}, timeout=180) as srv:
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+    assert not any(layer["table"] for layer in st["layers"])
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
