@@ -318,21 +318,39 @@ def plan_tensors(preset: str | Preset, weight_type: GGMLType = GGMLType.Q8_0,
     return specs
 
 
+def general_kvs(p: Preset, file_type: int) -> list[tuple[str, object, ValueType]]:
+    """The general.* KVs every synthetic model starts with."""
+    return [
+        ("general.architecture", p.arch, ValueType.STRING),
+        ("general.name", f"moecache synthetic {p.name} (random weights)", ValueType.STRING),
+        ("general.description", "Synthetic MoE model written by `moecache synth`: real shapes and tokenizer, "
+                                "random weights, routing that follows token identity. Its text output is noise.",
+         ValueType.STRING),
+        ("general.file_type", file_type, ValueType.UINT32),
+    ]
+
+
+def synth_kvs(p: Preset, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
+    """The moecache.synth.* KVs that say how a synthetic model was made (they end its KVs)."""
+    return [
+        ("moecache.synth.version", SYNTH_VERSION, ValueType.UINT32),
+        ("moecache.synth.preset", p.name, ValueType.STRING),
+        ("moecache.synth.seed", seed, ValueType.UINT32),
+        ("moecache.synth.routing_strength", routing_strength, ValueType.FLOAT32),
+        ("moecache.synth.n_clusters", p.n_clusters, ValueType.UINT32),
+    ]
+
+
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float,
              context_mix: float = 0.0) -> list[tuple[str, object, ValueType]]:
     """The model KVs (everything but the tokenizer), in file order."""
     if p.arch != ARCH:
         return _arch_module(p, context_mix).plan_kvs(p, file_type, seed, routing_strength)
-    U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
+    U32, F32 = ValueType.UINT32, ValueType.FLOAT32
     a = ARCH
     # written only when set, so the models without it keep their bytes
     ctx = [("moecache.synth.context_mix", context_mix, F32)] if context_mix > 0.0 else []
-    return [
-        ("general.architecture", a, STR),
-        ("general.name", f"moecache synthetic {p.name} (random weights)", STR),
-        ("general.description", "Synthetic MoE model written by `moecache synth`: real shapes and tokenizer, "
-                                "random weights, routing that follows token identity. Its text output is noise.", STR),
-        ("general.file_type", file_type, U32),
+    return general_kvs(p, file_type) + [
         (f"{a}.block_count", p.n_layer, U32),
         (f"{a}.context_length", p.n_ctx_train, U32),
         (f"{a}.embedding_length", p.n_embd, U32),
@@ -346,12 +364,7 @@ def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float,
         (f"{a}.attention.value_length", p.head_dim, U32),
         (f"{a}.attention.layer_norm_rms_epsilon", p.rms_eps, F32),
         (f"{a}.rope.freq_base", p.rope_freq_base, F32),
-        ("moecache.synth.version", SYNTH_VERSION, U32),
-        ("moecache.synth.preset", p.name, STR),
-        ("moecache.synth.seed", seed, U32),
-        ("moecache.synth.routing_strength", routing_strength, F32),
-        ("moecache.synth.n_clusters", p.n_clusters, U32),
-    ] + ctx
+    ] + synth_kvs(p, seed, routing_strength) + ctx
 
 
 # ---------------------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ import numpy as np
 
 from . import gguf
 from .gguf import GGMLType, ValueType
-from .synth import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, SYNTH_VERSION, Preset, SynthError,
-                    TensorSpec)
+from .synth import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, Preset, SynthError, TensorSpec, general_kvs,
+                    synth_kvs)
 
 ARCHS = ("qwen35moe", "qwen4exp")
 
@@ -247,18 +247,13 @@ def plan_tensors(p: Preset, wt: GGMLType) -> list[TensorSpec]:
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
     """The model KVs (everything but the tokenizer) of a qwen35moe / qwen4exp model, in file order."""
     check(p)
-    U32, F32, STR, ARR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING, ValueType.ARRAY
+    U32, F32, ARR = ValueType.UINT32, ValueType.FLOAT32, ValueType.ARRAY
     a = p.arch
 
     def u32s(v):
         return np.asarray(v, dtype=np.uint32)
 
-    kvs = [
-        ("general.architecture", a, STR),
-        ("general.name", f"moecache synthetic {p.name} (random weights)", STR),
-        ("general.description", "Synthetic MoE model written by `moecache synth`: real shapes and tokenizer, "
-                                "random weights, routing that follows token identity. Its text output is noise.", STR),
-        ("general.file_type", file_type, U32),
+    kvs = general_kvs(p, file_type) + [
         (f"{a}.block_count", p.n_layer, U32),
         (f"{a}.context_length", p.n_ctx_train, U32),
         (f"{a}.embedding_length", p.n_embd, U32),
@@ -304,13 +299,7 @@ def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> l
             (f"{a}.ple.head_offsets", offsets, ARR),
             (f"{a}.ple.head_vocab_sizes", np.asarray(vocab, dtype=np.uint64), ARR),
         ]
-    return kvs + [
-        ("moecache.synth.version", SYNTH_VERSION, U32),
-        ("moecache.synth.preset", p.name, STR),
-        ("moecache.synth.seed", seed, U32),
-        ("moecache.synth.routing_strength", routing_strength, F32),
-        ("moecache.synth.n_clusters", p.n_clusters, U32),
-    ]
+    return kvs + synth_kvs(p, seed, routing_strength)
 
 
 def fill_chunks(spec: TensorSpec) -> list:

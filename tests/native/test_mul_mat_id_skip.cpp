@@ -40,6 +40,19 @@ static void fill_uniform(float * x, size_t n, std::mt19937 & rng) {
     }
 }
 
+// n_mats random matrices of k x m values in `type`
+static ggml_tensor * new_matrices(ggml_context * ctx, ggml_type type, int64_t k, int64_t m, int n_mats, std::mt19937 & rng) {
+    ggml_tensor * as = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
+    std::vector<float> w(k * m * n_mats);
+    fill_uniform(w.data(), w.size(), rng);
+    if (type == GGML_TYPE_F32) {
+        memcpy(as->data, w.data(), w.size() * sizeof(float));
+    } else {
+        ggml_quantize_chunk(type, w.data(), as->data, 0, m * n_mats, k, nullptr);
+    }
+    return as;
+}
+
 // Runs one case; returns the number of failures.
 static int run_case(ggml_type type, int n_tokens, int pattern, int n_threads, std::mt19937 & rng) {
     const int64_t k = 256, m = 64;
@@ -48,16 +61,7 @@ static int run_case(ggml_type type, int n_tokens, int pattern, int n_threads, st
     ggml_init_params ip = { /*.mem_size =*/ 64u << 20, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
     ggml_context * ctx = ggml_init(ip);
 
-    ggml_tensor * as = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
-    {
-        std::vector<float> w(k * m * n_mats);
-        fill_uniform(w.data(), w.size(), rng);
-        if (type == GGML_TYPE_F32) {
-            memcpy(as->data, w.data(), w.size() * sizeof(float));
-        } else {
-            ggml_quantize_chunk(type, w.data(), as->data, 0, m * n_mats, k, nullptr);
-        }
-    }
+    ggml_tensor * as = new_matrices(ctx, type, k, m, n_mats, rng);
     ggml_tensor * b = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k, n_used, n_tokens);
     fill_uniform((float *) b->data, ggml_nelements(b), rng);
 
@@ -135,19 +139,10 @@ static int run_table_case(ggml_type type, int n_tokens, int n_threads, std::mt19
     ggml_init_params ip = { /*.mem_size =*/ 64u << 20, /*.mem_buffer =*/ nullptr, /*.no_alloc =*/ false };
     ggml_context * ctx = ggml_init(ip);
 
-    ggml_tensor * as    = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
+    ggml_tensor * as    = new_matrices(ctx, type, k, m, n_mats, rng);
     ggml_tensor * other = ggml_new_tensor_3d(ctx, type, k, m, n_mats);
-    {
-        std::vector<float> w(k * m * n_mats);
-        fill_uniform(w.data(), w.size(), rng);
-        if (type == GGML_TYPE_F32) {
-            memcpy(as->data, w.data(), w.size() * sizeof(float));
-        } else {
-            ggml_quantize_chunk(type, w.data(), as->data, 0, m * n_mats, k, nullptr);
-        }
-        for (int e = 0; e < n_mats; e++) {
-            memcpy((char *) other->data + (n_mats - 1 - e) * other->nb[2], (char *) as->data + e * as->nb[2], as->nb[2]);
-        }
+    for (int e = 0; e < n_mats; e++) {
+        memcpy((char *) other->data + (n_mats - 1 - e) * other->nb[2], (char *) as->data + e * as->nb[2], as->nb[2]);
     }
     ggml_tensor * table = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_mats);
     for (int e = 0; e < n_mats; e++) {
