@@ -20,6 +20,16 @@ PACKAGE_ROOT = Path(list(moecache.__path__)[0]).resolve().parent  # the folder t
 
 
 @pytest.fixture(scope="session")
+def core():
+    """The moecache package with its compiled module (_core); skips where it is not built."""
+    try:
+        moecache.native_module()
+    except Exception as e:  # not built in this checkout
+        pytest.skip(f"moecache._core is not built: {e}")
+    return moecache
+
+
+@pytest.fixture(scope="session")
 def moecache_cache_dir(tmp_path_factory) -> Path:
     """A private moecache cache folder for the session (MOECACHE_CACHE_DIR of subprocesses)."""
     return tmp_path_factory.mktemp("moecache-cache")

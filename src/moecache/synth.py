@@ -330,6 +330,29 @@ def general_kvs(p: Preset, file_type: int) -> list[tuple[str, object, ValueType]
     ]
 
 
+def shape_kvs(p: Preset) -> list[tuple[str, object, ValueType]]:
+    """The hyperparameters every architecture of synth shares (sizes, experts, attention, rope), in
+    file order; a shared expert's FFN length comes after the experts' where the preset has one."""
+    U32, F32, a = ValueType.UINT32, ValueType.FLOAT32, p.arch
+    shared = [(f"{a}.expert_shared_feed_forward_length", p.n_ff_shexp, U32)] if p.n_ff_shexp else []
+    return [
+        (f"{a}.block_count", p.n_layer, U32),
+        (f"{a}.context_length", p.n_ctx_train, U32),
+        (f"{a}.embedding_length", p.n_embd, U32),
+        (f"{a}.feed_forward_length", p.n_ff, U32),
+        (f"{a}.expert_feed_forward_length", p.n_ff_exp, U32),
+    ] + shared + [
+        (f"{a}.expert_count", p.n_expert, U32),
+        (f"{a}.expert_used_count", p.n_expert_used, U32),
+        (f"{a}.attention.head_count", p.n_head, U32),
+        (f"{a}.attention.head_count_kv", p.n_head_kv, U32),
+        (f"{a}.attention.key_length", p.head_dim, U32),
+        (f"{a}.attention.value_length", p.head_dim, U32),
+        (f"{a}.attention.layer_norm_rms_epsilon", p.rms_eps, F32),
+        (f"{a}.rope.freq_base", p.rope_freq_base, F32),
+    ]
+
+
 def synth_kvs(p: Preset, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
     """The moecache.synth.* KVs that say how a synthetic model was made (they end its KVs)."""
     return [
@@ -346,25 +369,9 @@ def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float,
     """The model KVs (everything but the tokenizer), in file order."""
     if p.arch != ARCH:
         return _arch_module(p, context_mix).plan_kvs(p, file_type, seed, routing_strength)
-    U32, F32 = ValueType.UINT32, ValueType.FLOAT32
-    a = ARCH
     # written only when set, so the models without it keep their bytes
-    ctx = [("moecache.synth.context_mix", context_mix, F32)] if context_mix > 0.0 else []
-    return general_kvs(p, file_type) + [
-        (f"{a}.block_count", p.n_layer, U32),
-        (f"{a}.context_length", p.n_ctx_train, U32),
-        (f"{a}.embedding_length", p.n_embd, U32),
-        (f"{a}.feed_forward_length", p.n_ff, U32),
-        (f"{a}.expert_feed_forward_length", p.n_ff_exp, U32),
-        (f"{a}.expert_count", p.n_expert, U32),
-        (f"{a}.expert_used_count", p.n_expert_used, U32),
-        (f"{a}.attention.head_count", p.n_head, U32),
-        (f"{a}.attention.head_count_kv", p.n_head_kv, U32),
-        (f"{a}.attention.key_length", p.head_dim, U32),
-        (f"{a}.attention.value_length", p.head_dim, U32),
-        (f"{a}.attention.layer_norm_rms_epsilon", p.rms_eps, F32),
-        (f"{a}.rope.freq_base", p.rope_freq_base, F32),
-    ] + synth_kvs(p, seed, routing_strength) + ctx
+    ctx = [("moecache.synth.context_mix", context_mix, ValueType.FLOAT32)] if context_mix > 0.0 else []
+    return general_kvs(p, file_type) + shape_kvs(p) + synth_kvs(p, seed, routing_strength) + ctx
 
 
 # ---------------------------------------------------------------------------------------------

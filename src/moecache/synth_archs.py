@@ -39,7 +39,7 @@ import numpy as np
 from . import gguf
 from .gguf import GGMLType, ValueType
 from .synth import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, Preset, SynthError, TensorSpec, general_kvs,
-                    synth_kvs)
+                    shape_kvs, synth_kvs)
 
 ARCHS = ("qwen35moe", "qwen4exp")
 
@@ -247,27 +247,13 @@ def plan_tensors(p: Preset, wt: GGMLType) -> list[TensorSpec]:
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
     """The model KVs (everything but the tokenizer) of a qwen35moe / qwen4exp model, in file order."""
     check(p)
-    U32, F32, ARR = ValueType.UINT32, ValueType.FLOAT32, ValueType.ARRAY
+    U32, ARR = ValueType.UINT32, ValueType.ARRAY
     a = p.arch
 
     def u32s(v):
         return np.asarray(v, dtype=np.uint32)
 
-    kvs = general_kvs(p, file_type) + [
-        (f"{a}.block_count", p.n_layer, U32),
-        (f"{a}.context_length", p.n_ctx_train, U32),
-        (f"{a}.embedding_length", p.n_embd, U32),
-        (f"{a}.feed_forward_length", p.n_ff, U32),
-        (f"{a}.expert_feed_forward_length", p.n_ff_exp, U32),
-        (f"{a}.expert_shared_feed_forward_length", p.n_ff_shexp, U32),
-        (f"{a}.expert_count", p.n_expert, U32),
-        (f"{a}.expert_used_count", p.n_expert_used, U32),
-        (f"{a}.attention.head_count", p.n_head, U32),
-        (f"{a}.attention.head_count_kv", p.n_head_kv, U32),
-        (f"{a}.attention.key_length", p.head_dim, U32),
-        (f"{a}.attention.value_length", p.head_dim, U32),
-        (f"{a}.attention.layer_norm_rms_epsilon", p.rms_eps, F32),
-        (f"{a}.rope.freq_base", p.rope_freq_base, F32),
+    kvs = general_kvs(p, file_type) + shape_kvs(p) + [
         (f"{a}.rope.dimension_count", rope_dims(p), U32),
         (f"{a}.rope.dimension_sections", np.asarray(p.rope_sections, dtype=np.int32), ARR),
         (f"{a}.full_attention_interval", p.full_attention_interval, U32),

@@ -20,17 +20,6 @@ PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n
 
 
 @pytest.fixture(scope="module")
-def core():
-    import moecache
-
-    try:
-        moecache.native_module()
-    except Exception as e:  # not built in this checkout
-        pytest.skip(f"moecache._core is not built: {e}")
-    return moecache
-
-
-@pytest.fixture(scope="module")
 def arch_models(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("synth-archs")
     return {n: synth.write_model(folder / f"{n}.gguf", preset=n, seed=0, progress=False, threads=2) for n in PRESETS}

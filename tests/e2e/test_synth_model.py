@@ -16,17 +16,6 @@ from moecache import synth
 
 
 @pytest.fixture(scope="module")
-def core():
-    import moecache
-
-    try:
-        moecache.native_module()
-    except Exception as e:  # not built in this checkout
-        pytest.skip(f"moecache._core is not built: {e}")
-    return moecache
-
-
-@pytest.fixture(scope="module")
 def model(core, tiny_model):
     return core.Model(str(tiny_model))
 
