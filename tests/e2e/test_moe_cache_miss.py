@@ -155,7 +155,7 @@ def test_an_incomplete_layer_keeps_its_miss_branch(tiny_model, stock):
 def test_hits_and_device_misses_in_one_expert_ffn(tiny_model, stock, table):
     """Patch 0022: with the misses on a device that reads address tables, a cached layer runs one expert
     FFN whose experts are read at their table addresses (a slot, or the mapped host matrix), the stock
-    graph's nodes only (by default on the CPU, the checked backend); LLAMA_MOE_CACHE_TABLE=0 keeps the
+    graph's nodes only (on by default); LLAMA_MOE_CACHE_TABLE=0 keeps the
     two branches. Both give the stock output bit for bit while slots fill and serve hits."""
     args = ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu", "--moe-cache-max-uploads", "8",
             "--moe-cache-rebalance-interval", "4"]

@@ -83,20 +83,21 @@ def test_a_failed_mapping_on_cuda_keeps_the_cpu_misses(demo_model, stock):
 
 @pytest.fixture(scope="module")
 def all_in_vram(demo_model):
-    """Every expert in VRAM: the stock GPU graph that the one-FFN path must reproduce."""
-    args = [a for a in BASE_ARGS if a != "--cpu-moe"]
+    """Every expert in VRAM, one token per micro-batch (-ub 1): the stock GPU graph that the one-FFN
+    path must reproduce. With -ub 1 the prompts too run decode-shaped steps, which the cache runs
+    (larger batches bypass it and would compute the prompt's experts elsewhere)."""
+    args = [a for a in BASE_ARGS if a != "--cpu-moe"] + ["-ub", "1"]
     with ServerProcess(demo_model, args=args, timeout=180) as srv:
         yield [complete(srv, p) for p in PROMPTS]
 
 
 def test_one_expert_ffn_on_cuda_is_the_all_in_vram_result(demo_model, all_in_vram):
-    """Patches 0021-0022 on CUDA: hits (slots) and misses (host experts read in place) run in one
-    expert FFN through the expert tables, i.e. the same mmvq kernels over the same bytes as with every
-    expert in VRAM: the same tokens and log-probabilities, bit for bit, while the slots fill. On GPUs
-    the tables are opt-in (LLAMA_MOE_CACHE_TABLE=1) until this test has passed on hardware."""
-    args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "gpu", "--moe-cache-max-uploads", "16",
-                        "--moe-cache-rebalance-interval", "4"]
-    with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_TABLE": "1"}, timeout=180) as srv:
+    """Patches 0021-0022 on CUDA, on by default: hits (slots) and misses (host experts read in place)
+    run in one expert FFN through the expert tables, i.e. the same mmvq kernels over the same bytes as
+    with every expert in VRAM: the same tokens and log-probabilities, bit for bit, while the slots fill."""
+    args = BASE_ARGS + ["-ub", "1", "--moe-cache-slots", "16", "--moe-cache-miss", "gpu",
+                        "--moe-cache-max-uploads", "16", "--moe-cache-rebalance-interval", "4"]
+    with ServerProcess(demo_model, args=args, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]
         st = cache_stats(srv)
     assert all(layer["table"] for layer in st["layers"]), [layer["table"] for layer in st["layers"]]
@@ -106,10 +107,10 @@ def test_one_expert_ffn_on_cuda_is_the_all_in_vram_result(demo_model, all_in_vra
         assert max_logprob_diff(a, b) == 0.0
 
 
-def test_by_default_cuda_keeps_two_branches(demo_model, stock):
-    """Without LLAMA_MOE_CACHE_TABLE a GPU runs the two-branch graph, as before patch 0022; the stock tokens."""
+def test_tables_off_keeps_two_branches(demo_model, stock):
+    """LLAMA_MOE_CACHE_TABLE=0: the two-branch graph of patches 0015-0018; the stock tokens."""
     args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "gpu"]
-    with ServerProcess(demo_model, args=args, timeout=180) as srv:
+    with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_TABLE": "0"}, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]
         st = cache_stats(srv)
     assert not any(layer["table"] for layer in st["layers"])
