@@ -178,3 +178,22 @@ def test_upload_cap_grows_while_the_link_is_idle(tiny_model):
     assert st["max_uploads"] == 1
     assert 1 < st["upload_cap"] <= 8, st["upload_cap"]
     assert st["total"]["uploads"] > 0
+
+
+def test_the_cache_fills_between_the_ubatches_of_one_decode(tiny_model):
+    """-ub 1 over a prompt: one decode of many cache-active ubatches. The cache steps before each later
+    ubatch of a decode (commit, publish, plan), so the prompt fills the slots as it is routed and its
+    later tokens are served by them; before, the whole prompt ran on the state its decode started
+    with and nothing was counted until the next decode (a request of one token has none). Output unchanged."""
+    ub = ["-ub", "1", "-b", "256"]
+    args = BASE_ARGS + ub + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-max-uploads", "16"]
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        out = complete(srv, PROMPTS[0], n_predict=1)
+        st = cache_stats(srv)
+    with ServerProcess(tiny_model, args=BASE_ARGS + ub, timeout=120) as srv:
+        ref = complete(srv, PROMPTS[0], n_predict=1)
+    assert out["tokens"] == ref["tokens"] and probs(out) == probs(ref)
+    n_prompt = out["tokens_evaluated"]
+    tot = st["total"]
+    assert n_prompt > 8 and tot["n_steps"] >= n_prompt - 1, (n_prompt, tot["n_steps"])
+    assert tot["uploads"] > 0 and tot["hits"] > 0, tot
