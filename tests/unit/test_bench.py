@@ -548,6 +548,34 @@ def test_moe_cache_summary_reads_the_totals():
     assert set(flat) == set(runner.MOE_CACHE_FIELDS)
 
 
+def test_row_moe_cache_is_what_the_rows_own_requests_met():
+    def body(hits, misses, uploads):
+        return {"enabled": True, "total": {"hits": hits, "misses": misses, "uploads": uploads, "hit_rate": 0.0}}
+    assert runner.moe_cache_counts({"enabled": False, "total": {"hits": 3}}) is None
+    assert runner.moe_cache_counts(body(5, 7, True)) == {"hits": 5, "misses": 7, "uploads": None}
+    before, after = runner.moe_cache_counts(body(100, 300, 40)), runner.moe_cache_counts(body(190, 310, 52))
+    # the arm's totals say 38% hits; the row's own tokens met 90%
+    assert runner.row_moe_cache(before, after) == {"hits": 90, "misses": 10, "uploads": 12, "hit_rate": 0.9}
+    assert runner.row_moe_cache(None, after)["hit_rate"] == pytest.approx(190 / 500)  # since the start
+    assert runner.row_moe_cache(before, None) is None
+    assert runner.row_moe_cache(after, after)["hit_rate"] is None  # no routed pair in between
+
+
+def test_report_shows_each_rows_hit_rate_only_when_a_row_has_one():
+    run = fake_run()
+    assert " hits |" not in report.render_markdown(run)
+    run["results"][1]["moe_cache"] = {"hits": 90, "misses": 10, "uploads": 12, "hit_rate": 0.9}
+    text = report.render_markdown(run)
+    results = text[text.index("## Results"):].splitlines()
+    head = next(line for line in results if line.startswith("| arm | prefill"))
+    assert head.endswith(" hits |")
+    fast = next(line for line in results if line.startswith("| fast |"))
+    stock = next(line for line in results if line.startswith("| stock (baseline) |"))
+    broken = next(line for line in results if line.startswith("| broken |"))
+    assert fast.endswith(" 90.0% |") and stock.endswith(" - |") and broken.endswith(" - |")
+    assert len({line.count("|") for line in (head, fast, stock, broken)}) == 1
+
+
 def test_report_shows_the_expert_cache_only_when_an_arm_has_one():
     run = fake_run()
     text = report.render_markdown(run)

@@ -433,28 +433,37 @@ def render_markdown(run: dict) -> str:
                   "swap) and the swap's cost in ms (release + reserve + restore, included in TTFT); details "
                   "in [Prefill swap](#prefill-swap).", ""]
     swap_head = " prefill ub | swap ms |" if swapped else ""
+    # the expert cache's hit rate over each row's own requests (not the arm's totals, which hold its warm-ups)
+    row_hits = any((r.get("moe_cache") or {}).get("hit_rate") is not None for r in run["results"])
+    if row_hits:
+        lines += ["The column `hits` is the expert cache's hit rate over the row's own requests (its timed "
+                  "repetitions and its TTFT request), from the server's counters before and after them; the "
+                  "arm's totals above include its warm-ups and earlier prompts.", ""]
+    hits_head = " hits |" if row_hits else ""
     for prompt, length in cases:
         rows = [r for r in run["results"] if (r["prompt"], r["length"]) == (prompt, length)]
         rows.sort(key=lambda r: r.get("users", 1))  # stable: the arms' order within each level
         lines += [f"### `{prompt}` prompt, {_length_title(length, rows)}", "",
                   f"| arm | {users_head}" + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
-                  + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |" + swap_head,
+                  + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |" + swap_head + hits_head,
                   "| --- | " + ("---: | " if concurrent else "") + " | ".join(["---:"] * (2 * len(METRICS))) + " |"
-                  + (" ---: | ---: |" if swapped else "")]
+                  + (" ---: | ---: |" if swapped else "") + (" ---: |" if row_hits else "")]
         for r in rows:
             name = r["arm"] + (" (baseline)" if r["arm"] == run["baseline"] else "")
             users = f"{r.get('users', 1)} | " if concurrent else ""
             if r.get("error"):
                 lines.append(f"| {_md_cell(name)} | {users}" + " | ".join("-" for _ in METRICS) + " | "
-                             + " | ".join("-" for _ in METRICS) + " |" + (" - | - |" if swapped else ""))
+                             + " | ".join("-" for _ in METRICS) + " |" + (" - | - |" if swapped else "")
+                             + (" - |" if row_hits else ""))
                 continue
             swap = ""
             if swapped:
                 ps = r.get("prefill_swap") or {}
                 swap = (f" {_fmt_count(ps.get('prefill_ubatch'))} "
                         f"| {_fmt_ms((ps.get('swap_ms') or {}).get('median'))} |")
+            hits = f" {_fmt_rate((r.get('moe_cache') or {}).get('hit_rate'))} |" if row_hits else ""
             lines.append(f"| {_md_cell(name)} | {users}" + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
-                         + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |" + swap)
+                         + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |" + swap + hits)
         lines.append("")
     if swapped:
         lines += _swap_lines(run, concurrent)

@@ -371,6 +371,33 @@ def fetch_moe_cache_body(srv: ServerProcess) -> dict | None:
     return body if status == 200 and isinstance(body, dict) else None
 
 
+# the cumulative counters of /moe-cache's "total" that a row's requests are told by (differences)
+ROW_CACHE_COUNTS = ("hits", "misses", "uploads")
+
+
+def moe_cache_counts(body: object) -> dict | None:
+    """The ROW_CACHE_COUNTS of a /moe-cache answer whose "enabled" is true (from its "total"), else None."""
+    if not isinstance(body, dict) or body.get("enabled") is not True:
+        return None
+    total = body.get("total") if isinstance(body.get("total"), dict) else body
+    return {k: total[k] if isinstance(total.get(k), int) and not isinstance(total.get(k), bool) else None
+            for k in ROW_CACHE_COUNTS}
+
+
+def row_moe_cache(before: dict | None, after: dict | None) -> dict | None:
+    """The expert cache over one row's requests (its timed repetitions and TTFT request): hits, misses
+    and uploads between two moe_cache_counts snapshots and the hit rate of those pairs. An arm's
+    totals include its warm-ups and earlier prompts; this is what the row's own tokens met (a first
+    prompt that runs while the slots fill has a lower rate than the arm's last tokens)."""
+    if after is None:
+        return None
+    before = before or {}
+    out = {k: _minus(after.get(k), before.get(k)) for k in ROW_CACHE_COUNTS}
+    hits, misses = out["hits"], out["misses"]
+    out["hit_rate"] = hits / (hits + misses) if hits is not None and misses is not None and hits + misses > 0 else None
+    return out
+
+
 def fetch_moe_cache(srv: ServerProcess) -> dict | None:
     """The server's expert cache totals (moe_cache_summary of GET /moe-cache), or None when it has no
     cache, no such endpoint, or does not answer."""
@@ -722,7 +749,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                             measure_completion(srv, tokens, min(sc.max_tokens, 16), sc.ignore_eos)
                         for current, row in enumerate(rows):
                             users = row["users"]
-                            swap_before = fetch_prefill_swap(srv)
+                            body_before = fetch_moe_cache_body(srv)
+                            swap_before = prefill_swap_summary(body_before)
                             for rep in range(sc.repetitions):
                                 s = measure_repetition(srv, tokens, sc.max_tokens, sc.ignore_eos, users)
                                 if sc.ttft and users == 1:
@@ -730,8 +758,12 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                 row["samples"].append(s)
                                 say(_progress(ps.name, n, users, rep, sc.repetitions, s, len(tokens)))
                             finish_row(row)
+                            body_after = fetch_moe_cache_body(srv) if body_before is not None else None
+                            cache = row_moe_cache(moe_cache_counts(body_before), moe_cache_counts(body_after))
+                            if cache:
+                                row["moe_cache"] = cache
                             swap = row_prefill_swap(row["samples"], swap_before,
-                                                    fetch_prefill_swap(srv) if swap_before is not None else None)
+                                                    prefill_swap_summary(body_after) if swap_before is not None else None)
                             if swap:
                                 row["prefill_swap"] = swap
                     except (BenchError, OSError, http.client.HTTPException) as e:
