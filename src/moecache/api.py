@@ -311,6 +311,14 @@ PREFILL_SWAP_OPTIONS: dict[str, FeatureOption] = {
 }
 
 
+# long-context attention (issue 12): switches of the sparse paths
+LONG_CONTEXT_OPTIONS: dict[str, FeatureOption] = {
+    "qsa_sparse": FeatureOption(
+        "--qsa-sparse", "LLAMA_ARG_QSA_SPARSE", (), False, None, None,
+        "QSA layers (qwen4exp) attend only the cells their indexer selected (needs flash attention)", boolean=True),
+}
+
+
 def _range_text(minimum: int | None, maximum: int | None) -> str:
     if maximum is None or maximum == _INT32_MAX:
         return f" >= {minimum}"
@@ -384,6 +392,11 @@ def _moe_cache_options(kwargs=None, environ=None) -> dict:
 def _prefill_swap_options(kwargs=None, environ=None) -> dict:
     """The checked prefill-phase swap settings of a context (see _feature_options)."""
     return _feature_options(PREFILL_SWAP_OPTIONS, "prefill swap", kwargs, environ)
+
+
+def _long_context_options(kwargs=None, environ=None) -> dict:
+    """The checked long-context attention settings of a context (see _feature_options)."""
+    return _feature_options(LONG_CONTEXT_OPTIONS, "long-context", kwargs, environ)
 
 #
 # model, context, generation
@@ -571,6 +584,11 @@ class Context:
     keeps n_ubatch (a control arm). Environment: LLAMA_ARG_PREFILL_UBATCH, LLAMA_ARG_PREFILL_MIN_TOKENS,
     LLAMA_ARG_PREFILL_SWAP_MODE, LLAMA_ARG_PREFILL_WARM_RESTORE (or the LLAMA_PHASE_PREFILL_* names).
     `self.prefill_swap` holds the settings and the counters.
+
+    Long context (off by default, LONG_CONTEXT_OPTIONS): `qsa_sparse` makes the QSA layers of qwen4exp
+    models attend only the cells their indexer selected, gathered from the KV cache, where that reads
+    fewer rows than the masked attention over every cell (needs flash attention; environment:
+    LLAMA_ARG_QSA_SPARSE).
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -582,7 +600,8 @@ class Context:
                  moe_cache_headroom_mib: int | None = None, moe_cache_miss: str | None = None,
                  moe_cache_miss_auto_pct: int | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
-                 prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None):
+                 prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
+                 qsa_sparse: bool | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -614,15 +633,17 @@ class Context:
             "prefill_swap_mode": prefill_swap_mode,
             "prefill_warm_restore": prefill_warm_restore,
         })
+        long_context = _long_context_options({"qsa_sparse": qsa_sparse})
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                  flash_attn=flash_attn, **moe_cache, **prefill_swap)
+                                  flash_attn=flash_attn, **moe_cache, **prefill_swap, **long_context)
         self.n_ctx = self._c.n_ctx
         self.n_batch = self._c.n_batch
         self.n_ubatch = self._c.n_ubatch
         self.n_threads = self._c.n_threads
         self.flash_attn = flash_attn
         self.moe_cache_options = moe_cache  # the checked settings the context was made with
+        self.long_context_options = long_context
         self.expert_cache = ExpertCache(self._c, model, moe_cache)
         self.prefill_swap = PrefillSwap(self._c, prefill_swap)
         self.routing_trace_path: str | None = None  # where record_routing writes, while it does

@@ -572,7 +572,8 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int moe_cache_max_uploads, int moe_cache_headroom_mib,
                                                     const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
                                                     int prefill_ubatch, int prefill_min_tokens,
-                                                    const std::string & prefill_swap_mode, bool prefill_warm_restore) {
+                                                    const std::string & prefill_swap_mode, bool prefill_warm_restore,
+                                                    bool qsa_sparse) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -609,6 +610,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                              moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib,
                                              moe_cache_miss, moe_cache_miss_auto_pct);
     params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore);
+    params.qsa_sparse = qsa_sparse;
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -1267,7 +1269,8 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
              py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
-             py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true)
+             py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
+             py::arg("qsa_sparse") = false)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
