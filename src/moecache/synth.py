@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -176,6 +176,13 @@ PRESETS: dict[str, Preset] = {
         hc_count=4, hc_low_rank=128, indexer_n_head=16, indexer_head_dim=128, indexer_top_k=2048, compress_ratio=4,
         ple_ngram_size=3, ple_heads_per_ngram=8, ple_conv_kernel=4, ple_head_vocab=25_000_000, ple_layer=0),
 }
+# the long-context benchmark's model: the attention of Qwen3.8-Flash-Next at its real shapes on a 64 GB disk
+PRESETS["qwen3.8-flash-next-16l"] = replace(
+    PRESETS["qwen3.8-flash-next"], name="qwen3.8-flash-next-16l",
+    description="Qwen3.8-Flash-Next's shapes (see qwen3.8-flash-next) cut to 16 layers (12 gated-delta-net, 4 QSA) "
+                "and a PLE table of 1M rows per head: for depth benchmarks of the attention on one GPU's disk; "
+                "~15 GiB at q4_0",
+    n_layer=16, ple_head_vocab=1_000_000)
 
 # routing fitted to published LRU hit rates of the real models on real text (routing_strength,
 # context_mix): moecache calibrate-routing, benchmarks/results/2026-12-01-routing-calibration-context-*.md

@@ -1266,3 +1266,67 @@ def test_report_without_a_swap_or_a_budget_is_unchanged():
     run["results"][0]["prefill_swap"] = {"requests": 3, "swapped": 0, "prefill_ubatch": None, "swap_ms": None,
                                          "server": {"enabled": False, "swaps": 0}}
     assert "Prefill swap" not in report.render_markdown(run)
+
+
+# --------------------------------------------------------------------------- depth
+
+
+def test_depths_parse_and_size_the_context(tmp_path):
+    sc = load_scenario(write_scenario(tmp_path, GOOD.replace('lengths = [16, 32]', 'lengths = [16, 32]\ndepths = [0, 300]')))
+    assert sc.prompts[0].depths == [0, 300]
+    assert sc.max_context() == 300 + 32 + 8 + 8
+    assert load_scenario(write_scenario(tmp_path, GOOD)).prompts[0].depths == [0]
+
+
+@pytest.mark.parametrize("edit,message", [
+    ('depths = [-1]', "depths must be >= 0"),
+    ('depths = []', "depths must be a non-empty list"),
+    ('depths = [100, 100]', "must not repeat a depth"),
+])
+def test_bad_depths(tmp_path, edit, message):
+    with pytest.raises(ScenarioError, match=message):
+        load_scenario(write_scenario(tmp_path, GOOD.replace('lengths = [16, 32]', f'lengths = [16, 32]\n{edit}')))
+
+
+def test_a_depth_needs_lengths_and_no_template(tmp_path):
+    body = GOOD.replace('lengths = [16, 32]', 'template = "Q: {text}"\ndepths = [100]')
+    with pytest.raises(ScenarioError, match="depths needs lengths"):
+        load_scenario(write_scenario(tmp_path, body))
+
+
+def test_depth_prompts_reuse_the_prefix_and_take_new_slices():
+    deep = runner.DepthPrompts(list(range(10)), depth=7, length=4)
+    assert deep.prefix == [0, 1, 2, 3, 4, 5, 6]
+    # the text repeats where it is shorter than the stream; every request: the prefix + the next slice
+    assert deep.request() == deep.prefix + [7, 8, 9, 0]
+    assert deep.request() == deep.prefix + [1, 2, 3, 4]
+    assert runner.DepthPrompts([5, 6], depth=5, length=1).prefix == [5, 6, 5, 6, 5]
+    with pytest.raises(ScenarioError):
+        runner.DepthPrompts([], depth=5, length=1)
+
+
+def test_a_request_at_depth_caches_its_prompt_in_its_slot():
+    assert runner._request_body([1], 4, True, False)["cache_prompt"] is False
+    assert "id_slot" not in runner._request_body([1], 4, True, False)
+    body = runner._request_body([1], 4, True, False, depth=100, slot=3)
+    assert body["cache_prompt"] is True and body["id_slot"] == 3
+
+
+def test_depth_cases_get_their_own_tables_and_ratios():
+    rows = []
+    for arm, scale in (("stock", 1.0), ("fast", 2.0)):
+        for depth in (0, 5000):
+            row = {"arm": arm, "prompt": "code", "length": 512, "users": 1,
+                   "prefill_tps": stats.summarize([100 * scale / (1 + depth / 5000)]),
+                   "decode_tps": stats.summarize([10 * scale])}
+            if depth:
+                row["depth"] = depth
+                row["depth_fill"] = {"tokens": depth, "prefill_tps": 50.0 * scale, "slots": 1}
+            rows.append(row)
+    stats.add_ratios(rows, "stock")
+    assert [r["ratios"]["prefill_tps"] for r in rows] == [1.0, 1.0, 2.0, 2.0]  # against its own depth
+    run = fake_run()
+    run["results"] = rows
+    text = report.render_markdown(run)
+    assert "### `code` prompt, 512 tokens\n" in text and "### `code` prompt, 512 tokens at depth 5,000" in text
+    assert "The 5,000 cached tokens, prefilled from an empty slot: stock 50.0 t/s; fast 100 t/s." in text

@@ -287,3 +287,12 @@ def test_written_tiny_qwen4exp_matches_its_plan(tmp_path):
     # the numpy routing reference models qwen3moe only: a clear error, not a missing tensor
     with pytest.raises(synth.SynthError, match="qwen3moe models only, not qwen4exp.*--backend core"):
         synth.reference_trace(path, [1, 2, 3])
+
+
+def test_the_depth_benchmark_preset_keeps_the_real_attention_shapes():
+    full, cut = synth.PRESETS["qwen3.8-flash-next"], synth.PRESETS["qwen3.8-flash-next-16l"]
+    same = ("n_embd", "n_head", "n_head_kv", "head_dim", "n_rot", "indexer_n_head", "indexer_head_dim",
+            "indexer_top_k", "compress_ratio", "full_attention_interval", "n_expert", "n_expert_used", "n_ctx_train")
+    assert {k: getattr(cut, k) for k in same} == {k: getattr(full, k) for k in same}
+    assert cut.n_layer == 16 and cut.arch == "qwen4exp"
+    assert sum(s.nbytes for s in synth.plan_tensors("qwen3.8-flash-next-16l", GGMLType.Q4_0)) < 20 * GiB

@@ -421,11 +421,15 @@ def render_markdown(run: dict) -> str:
             "with one user only. Ratios compare rows with the same number of users.",
             "",
         ]
-    cases: list[tuple[str, int | None]] = []
+    cases: list[tuple[str, int | None, int]] = []
     for r in run["results"]:
-        key = (r["prompt"], r["length"])
+        key = (r["prompt"], r["length"], r.get("depth", 0))
         if key not in cases:
             cases.append(key)
+    if any(depth for _, _, depth in cases):
+        lines += ["A case `at depth D` ran after every slot had cached D tokens of the text: its prefill is the "
+                  "prompt's new tokens on top of them, and its decode runs at that depth. Below each such table, "
+                  "the prefill of the D tokens themselves from an empty slot, per arm.", ""]
     users_head = "users | " if concurrent else ""
     swapped = swapped_run(run)
     if swapped:
@@ -440,10 +444,11 @@ def render_markdown(run: dict) -> str:
                   "repetitions and its TTFT request), from the server's counters before and after them; the "
                   "arm's totals above include its warm-ups and earlier prompts.", ""]
     hits_head = " hits |" if row_hits else ""
-    for prompt, length in cases:
-        rows = [r for r in run["results"] if (r["prompt"], r["length"]) == (prompt, length)]
+    for prompt, length, depth in cases:
+        rows = [r for r in run["results"] if (r["prompt"], r["length"], r.get("depth", 0)) == (prompt, length, depth)]
         rows.sort(key=lambda r: r.get("users", 1))  # stable: the arms' order within each level
-        lines += [f"### `{prompt}` prompt, {_length_title(length, rows)}", "",
+        at = f" at depth {depth:,}" if depth else ""
+        lines += [f"### `{prompt}` prompt, {_length_title(length, rows)}{at}", "",
                   f"| arm | {users_head}" + " | ".join(METRIC_TITLES[m] for m in METRICS) + " | "
                   + " | ".join(f"{METRIC_TITLES[m].split()[0]} ratio" for m in METRICS) + " |" + swap_head + hits_head,
                   "| --- | " + ("---: | " if concurrent else "") + " | ".join(["---:"] * (2 * len(METRICS))) + " |"
@@ -465,6 +470,14 @@ def render_markdown(run: dict) -> str:
             lines.append(f"| {_md_cell(name)} | {users}" + " | ".join(_fmt_stat(r.get(m)) for m in METRICS) + " | "
                          + " | ".join(_fmt_ratio(r.get("ratios", {}).get(m)) for m in METRICS) + " |" + swap + hits)
         lines.append("")
+        if depth:
+            fills = []
+            for r in rows:
+                f = r.get("depth_fill") or {}
+                if r.get("users", 1) == min(x.get("users", 1) for x in rows) and f:
+                    fills.append(f"{_md_cell(r['arm'])} {_fmt_num(f.get('prefill_tps'))} t/s")
+            if fills:
+                lines += [f"The {depth:,} cached tokens, prefilled from an empty slot: " + "; ".join(fills) + ".", ""]
     if swapped:
         lines += _swap_lines(run, concurrent)
     spec_rows = [r for r in run["results"] if not r.get("error") and r.get("speculation")]

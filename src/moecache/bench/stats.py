@@ -70,8 +70,8 @@ def summarize_speculation(samples: Iterable[dict]) -> dict | None:
 
 
 def _case(r: dict) -> tuple:
-    """What a row is compared on: its prompt, length and concurrency level."""
-    return r["prompt"], r["length"], r.get("users", 1)
+    """What a row is compared on: its prompt, length, depth and concurrency level."""
+    return r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)
 
 
 def add_ratios(results: list[dict], baseline: str) -> None:
