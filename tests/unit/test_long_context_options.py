@@ -10,18 +10,22 @@ from moecache import api
 
 
 def test_defaults_and_names():
-    assert api._long_context_options({}, {}) == {"qsa_sparse": False}
-    o = api.LONG_CONTEXT_OPTIONS["qsa_sparse"]
-    assert (o.flag, o.env, o.boolean) == ("--qsa-sparse", "LLAMA_ARG_QSA_SPARSE", True)
+    assert api._long_context_options({}, {}) == {"qsa_sparse": False, "kq_mask_device": False}
+    t = api.LONG_CONTEXT_OPTIONS
+    assert {n: (o.flag, o.env, o.boolean) for n, o in t.items()} == {
+        "qsa_sparse": ("--qsa-sparse", "LLAMA_ARG_QSA_SPARSE", True),
+        "kq_mask_device": ("--kq-mask-device", "LLAMA_ARG_KQ_MASK_DEVICE", True)}
 
 
 @pytest.mark.parametrize("word,value", [("1", True), ("on", True), ("TRUE", True), ("0", False), (" off ", False)])
-def test_the_variable(word, value):
-    assert api._long_context_options({}, {"LLAMA_ARG_QSA_SPARSE": word}) == {"qsa_sparse": value}
+@pytest.mark.parametrize("name", ["qsa_sparse", "kq_mask_device"])
+def test_the_variable(name, word, value):
+    env = api.LONG_CONTEXT_OPTIONS[name].env
+    assert api._long_context_options({}, {env: word})[name] is value
 
 
 def test_an_argument_beats_the_variable():
-    assert api._long_context_options({"qsa_sparse": False}, {"LLAMA_ARG_QSA_SPARSE": "1"}) == {"qsa_sparse": False}
+    assert api._long_context_options({"qsa_sparse": False}, {"LLAMA_ARG_QSA_SPARSE": "1"})["qsa_sparse"] is False
 
 
 @pytest.mark.parametrize("kwargs,env,match", [

@@ -1,0 +1,84 @@
+"""The KQ mask built on the device (--kq-mask-device) through the real llama-server on the CPU.
+
+Where positions alone decide the mask (causal, no sliding window, no ALiBi, one sequence per KV
+stream), the host uploads each cell's position and each token's instead of n_kv x n_tokens values,
+and the graph computes log(step(p_token - p_cell + 0.5)): 0 or -inf, the host mask's own values. So
+the output is the stock output bit for bit: qwen3moe (plain KV cache), qwen4exp (hybrid memory, QSA
+reads the mask too, with and without --qsa-sparse), flash attention on (f16 mask) and off (f32),
+several streams. The graph's node and input-tensor counts in the start-up log show the path ran.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moe_cache_checks import PROMPTS, complete, logprobs
+from moecache import synth
+from moecache.server import ServerProcess
+
+BASE = ["-t", "2", "-c", "2048", "-ngl", "0", "-b", "256", "-ub", "64", "-lv", "4"]
+GRAPH = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = ([\d /]+), splits = [\d /]+, "
+                   r"input objects = [\d /]+, input tensors = ([\d /]+)")
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kqmask") / "tiny-qwen4exp.gguf"
+    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
+
+
+def run(model, args, prompts):
+    with ServerProcess(model, args=BASE + args, timeout=300) as srv:
+        outs = [complete(srv, p, n_predict=24) for p in prompts]
+        graph = GRAPH.search(srv.log_text())
+    assert graph, "no graph line in the server log"
+    return outs, graph.groups()
+
+
+def same(a, b):
+    for x, y in zip(a, b):
+        assert x["tokens"] == y["tokens"]
+        assert logprobs(x) == logprobs(y)  # exact
+
+
+LONG = "\n\n".join(t[:1500] for _, t in synth.default_texts())[:4000]
+
+
+@pytest.mark.parametrize("fa", ["on", "off"])
+@pytest.mark.parametrize("streams", [["-np", "1"], ["-np", "2", "-no-kvu"]], ids=["one-stream", "two-streams"])
+def test_the_device_mask_gives_the_stock_output_bit_for_bit(tiny_model, fa, streams):
+    args = ["-fa", fa] + streams
+    prompts = PROMPTS + [LONG]
+    ref, ref_graph = run(tiny_model, args, prompts)
+    out, graph = run(tiny_model, args + ["--kq-mask-device"], prompts)
+    same(ref, out)
+    assert graph != ref_graph, (ref_graph, graph)  # the mask's nodes and its two inputs are in the graph
+
+
+@pytest.mark.parametrize("sparse", [[], ["--qsa-sparse"]], ids=["masked-qsa", "sparse-qsa"])
+def test_hybrid_memory_and_qsa_read_the_device_mask(qwen4exp, sparse):
+    args = ["-fa", "on", "-np", "1", "-ub", "16"] + sparse
+    ref, ref_graph = run(qwen4exp, args, [LONG])
+    out, graph = run(qwen4exp, args + ["--kq-mask-device"], [LONG])
+    same(ref, out)
+    assert graph != ref_graph
+
+
+def test_several_sequences_in_one_stream_keep_the_host_mask(tiny_model):
+    """A unified KV cache (-kvu) with two slots: each request's ubatches hold one sequence and build the
+    mask on the device; the output stays the stock output."""
+    args = ["-fa", "on", "-np", "2", "-kvu"]
+    ref, _ = run(tiny_model, args, PROMPTS)
+    out, _ = run(tiny_model, args + ["--kq-mask-device"], PROMPTS)
+    same(ref, out)
+
+
+def test_the_variable_turns_it_on(tiny_model):
+    args = ["-fa", "on", "-np", "1"]
+    _, ref_graph = run(tiny_model, args, PROMPTS[:1])
+    with ServerProcess(tiny_model, args=BASE + args, env={"LLAMA_ARG_KQ_MASK_DEVICE": "1"}, timeout=300) as srv:
+        complete(srv, PROMPTS[0], n_predict=4)
+        graph = GRAPH.search(srv.log_text()).groups()
+    assert graph != ref_graph
