@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
@@ -143,6 +143,12 @@ while [ $i -lt ${#phases[@]} ]; do
             log "model: made in $(( $(date +%s) - t0 )) s"
         fi
         ;;
+    drop-models)
+        # the disk holds one large synthetic model at a time (64 GB): drop the cached ones before a
+        # scenario of another shape makes its own
+        log "drop-models: $(du -sh "$models" 2>/dev/null | cut -f1) in $models"
+        rm -f "$models"/*.gguf
+        ;;
     bench)
         scenarios=()
         while [ $i -lt ${#phases[@]} ] && [[ ${phases[$i]} == *.toml ]]; do scenarios+=("${phases[$i]}"); i=$((i + 1)); done
@@ -153,7 +159,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
