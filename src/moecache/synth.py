@@ -109,6 +109,13 @@ class Preset:
         return max(1, min(4 * self.n_expert, self.n_embd))
 
 
+# the shapes both tiny hybrid presets share
+_TINY_HYBRID = dict(
+    n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_ff_shexp=64,
+    n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096, rope_freq_base=10_000_000.0,
+    full_attention_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
+    ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4)
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         name="tiny", description="for tests: 4 layers, d_model 64, 16 experts (top-4), ~27 MB at q8_0",
@@ -136,19 +143,13 @@ PRESETS: dict[str, Preset] = {
         name="tiny-qwen35moe", arch="qwen35moe",
         description="for tests: qwen35moe, 4 layers (3 linear-attention, 1 gated attention), d_model 64, "
                     "16 experts (top-4) + a shared expert; ~22 MB at q8_0",
-        n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_ff_shexp=64,
-        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096, rope_freq_base=10_000_000.0,
-        full_attention_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
-        ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4),
+        **_TINY_HYBRID),
     "tiny-qwen4exp": Preset(
         name="tiny-qwen4exp", arch="qwen4exp",
         description="for tests: qwen4exp, 4 layers (3 linear-attention, 1 QSA with its block indexer, PLE on "
                     "layer 0), d_model 64, 4 hyper-connection streams, 16 experts (top-4) + a shared expert; "
                     "~22 MB at q8_0",
-        n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_ff_shexp=64,
-        n_head=4, n_head_kv=2, head_dim=64, n_ctx_train=4096, rope_freq_base=10_000_000.0,
-        full_attention_interval=4, n_rot=16, rope_sections=(3, 3, 2, 0),
-        ssm_conv_kernel=4, ssm_state_size=32, ssm_group_count=2, ssm_time_step_rank=4,
+        **_TINY_HYBRID,
         hc_count=4, hc_low_rank=8, indexer_n_head=2, indexer_head_dim=32, indexer_top_k=8, compress_ratio=4,
         ple_ngram_size=3, ple_heads_per_ngram=1, ple_conv_kernel=4, ple_head_vocab=1024, ple_layer=0),
     "qwen3.5-122b-a10b": Preset(
