@@ -1278,6 +1278,18 @@ def test_depths_parse_and_size_the_context(tmp_path):
     assert load_scenario(write_scenario(tmp_path, GOOD)).prompts[0].depths == [0]
 
 
+def test_depths_option_keeps_only_the_named_depths(tmp_path):
+    path = write_scenario(tmp_path, GOOD.replace('lengths = [16, 32]', 'lengths = [16, 32]\ndepths = [0, 300, 900]'))
+    sc = load_scenario(path)
+    sc.select_depths([0, 900])
+    assert sc.prompts[0].depths == [0, 900]
+    with pytest.raises(ScenarioError, match="no prompt set has depth 5.*depths: 0, 300, 900"):
+        load_scenario(path).select_depths([5])
+    # through the command line: a bad list is a usage error, exit status 2
+    assert bench.main([str(path), "--depths", "x", "--dry-run"]) == 2
+    assert bench.main([str(path), "--depths", "7", "--dry-run"]) == 2
+
+
 @pytest.mark.parametrize("edit,message", [
     ('depths = [-1]', "depths must be >= 0"),
     ('depths = []', "depths must be a non-empty list"),

@@ -48,6 +48,8 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
     p.add_argument("scenario", help="scenario file, e.g. benchmarks/scenarios/smoke.toml")
     p.add_argument("--arms", metavar="A,B",
                    help="run only these arms (comma-separated names); the baseline arm always runs")
+    p.add_argument("--depths", metavar="D,D",
+                   help="run only these depths (comma-separated token counts) of the prompt sets that have them")
     p.add_argument("--reps", type=int, metavar="N", help="repetitions per arm and prompt (overrides the scenario)")
     p.add_argument("--warmup", type=int, metavar="N", help="untimed requests first (overrides the scenario)")
     p.add_argument("--out", metavar="DIR",
@@ -86,6 +88,12 @@ def _run(args: argparse.Namespace) -> int:
         sc = load_scenario(args.scenario)
         if args.arms:
             sc.select_arms([a.strip() for a in args.arms.split(",") if a.strip()])
+        if args.depths:
+            try:
+                depths = [int(d) for d in args.depths.split(",") if d.strip()]
+            except ValueError:
+                raise ScenarioError(f"--depths takes comma-separated token counts, got {args.depths!r}") from None
+            sc.select_depths(depths)
         if args.reps is not None:
             if args.reps < 1:
                 raise ScenarioError("--reps must be >= 1")

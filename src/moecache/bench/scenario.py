@@ -204,6 +204,18 @@ class Scenario:
         keep = set(names) | {self.baseline.name}
         self.arms = [a for a in self.arms if a.name in keep]
 
+    def select_depths(self, depths: list[int]) -> None:
+        """Keep only these depths of the prompt sets that have them (a shorter device call)."""
+        have = sorted({d for p in self.prompts for d in p.depths})
+        unknown = [d for d in depths if d not in have]
+        if unknown:
+            raise ScenarioError(f"{self.path}: no prompt set has depth {', '.join(map(str, unknown))} "
+                                f"(depths: {', '.join(map(str, have))}). Fix: check --depths.")
+        for p in self.prompts:
+            kept = [d for d in p.depths if d in depths]
+            if kept:
+                p.depths = kept
+
 
 def _where(path: Path, ctx: str) -> str:
     return f"scenario {path}: {ctx}"
