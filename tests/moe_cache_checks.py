@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -11,10 +12,20 @@ PROMPTS = [
 N_EXPERT, N_USED, N_LAYER = 16, 4, 4  # the tiny preset
 
 
-def complete(srv, prompt, n_predict=32):
-    """Greedy /completion with the tokens and the top-4 log-probabilities of every step."""
+def real_text(per_file: int, total: int) -> str:
+    """Up to `per_file` characters of each benchmark prompt file, `total` in all: real text read from the
+    checkout (synth.default_texts falls back to two stdlib modules where the package is installed
+    outside it, as on the GPU machine, which is too short for a depth)."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts"
+    files = sorted(f for f in root.rglob("*") if f.suffix in (".txt", ".py") and f.is_file())
+    return "\n\n".join(f.read_text(encoding="utf-8")[:per_file] for f in files)[:total]
+
+
+def complete(srv, prompt, n_predict=32, **extra):
+    """Greedy /completion with the tokens and the top-4 log-probabilities of every step (`extra`:
+    more fields of the request, e.g. cache_prompt=True)."""
     body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "cache_prompt": False,
-            "return_tokens": True, "n_probs": 4}
+            "return_tokens": True, "n_probs": 4, **extra}
     status, out = srv.post("/completion", body, timeout=300)
     assert status == 200, out
     return out

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, logprobs
+from moe_cache_checks import PROMPTS, complete, logprobs, real_text
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -43,7 +43,7 @@ def same(a, b):
         assert logprobs(x) == logprobs(y)  # exact
 
 
-LONG = "\n\n".join(t[:1500] for _, t in synth.default_texts())[:4000]
+LONG = real_text(1500, 4000)
 
 
 @pytest.mark.parametrize("fa", ["on", "off"])

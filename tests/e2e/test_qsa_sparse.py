@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from moe_cache_checks import complete, max_logprob_diff
+from moe_cache_checks import complete, max_logprob_diff, real_text
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -35,7 +35,7 @@ def qwen4exp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deep_prompt() -> str:
-    return "\n\n".join(t[:2500] for _, t in synth.default_texts())[:10000]
+    return real_text(2500, 10000)
 
 
 @pytest.fixture(scope="module")

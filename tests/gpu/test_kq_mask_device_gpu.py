@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, logprobs
+from moe_cache_checks import PROMPTS, complete, logprobs, real_text
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 BASE = ["-t", "8", "-c", "4096", "-np", "1", "-ngl", "99", "-fa", "on", "-b", "256", "-ub", "64", "-lv", "4"]
 GRAPH = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = ([\d /]+), splits = ([\d /]+), ")
-LONG = "\n\n".join(t[:1500] for _, t in synth.default_texts())[:4000]
+LONG = real_text(1500, 4000)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import complete, max_logprob_diff
+from moe_cache_checks import complete, max_logprob_diff, real_text
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -26,7 +26,7 @@ def qwen4exp(tmp_path_factory):
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
 def test_sparse_attention_on_cuda_equals_the_masked_path(qwen4exp, kv):
-    prompt = "\n\n".join(t[:2500] for _, t in synth.default_texts())[:10000]
+    prompt = real_text(2500, 10000)
     args = ARGS + ["-ctk", kv, "-ctv", kv]
     outs = []
     for extra in ([], ["--qsa-sparse"]):

@@ -1,0 +1,90 @@
+"""The QSA block layout kept across ubatches (patch 0028) through the real llama-server on the CPU.
+
+Where a KV stream holds one sequence, set_input_qsa takes each block's cells from a layout it keeps
+and updates only where the cells' positions changed, instead of regrouping every cell per ubatch.
+LLAMA_QSA_LAYOUT_CHECK=1 builds the grouped layout too and aborts on any difference, so a request
+that completes under it is a request on which the two agreed on every ubatch: a deep prompt in
+ubatches of 16, a prompt extended from the cache, one that leaves it, one cleared slot, two
+sequences in one unified stream (the grouped scan's case) and five streams at once.
+LLAMA_QSA_LAYOUT_FAST=0 is the pin's path: the output is the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from moe_cache_checks import complete, logprobs, real_text
+from moecache import synth
+from moecache.server import ServerProcess
+
+CHECKED = "LLAMA_QSA_LAYOUT_CHECK: the layout by position equals the grouped one"
+
+
+def server_args(n_parallel=1, n_ctx=4096, unified=False):
+    return ["-t", "2", "-c", str(n_ctx), "-np", str(n_parallel), "-ngl", "0", "-fa", "on",
+            "-b", "256", "-ub", "16", "-kvu" if unified else "-no-kvu"]
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qsalayout") / "tiny-qwen4exp.gguf"
+    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return real_text(2500, 9000)
+
+
+def requests(text: str) -> list[dict]:
+    """A deep prompt; the same extended (the cache's prefix reused); a different start (the slot's
+    cells replaced)."""
+    return [
+        {"prompt": text[:6000], "n_predict": 16, "cache_prompt": True},
+        {"prompt": text[:7000], "n_predict": 16, "cache_prompt": True},
+        {"prompt": text[3000:5000], "n_predict": 16, "cache_prompt": True},
+    ]
+
+
+def run(model, env, reqs, args=None):
+    with ServerProcess(model, args=args or server_args(), env=env, timeout=300) as srv:
+        outs = [complete_with(srv, r) for r in reqs]
+        log = srv.log_text()
+    return outs, log
+
+
+def complete_with(srv, req):
+    body = dict(req)
+    prompt = body.pop("prompt")
+    return complete(srv, prompt, n_predict=body.pop("n_predict"), **body)
+
+
+def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp, text):
+    reqs = requests(text)
+    checked, log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs)
+    assert CHECKED in log
+    assert checked[1]["tokens_cached"] > 1000  # the second request reused the first one's cells
+    stock, stock_log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_FAST": "0", "LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs)
+    assert CHECKED not in stock_log  # off: nothing to compare
+    fast, _ = run(qwen4exp, {}, reqs)
+    for a, b, c in zip(stock, checked, fast):
+        assert a["tokens"] == b["tokens"] == c["tokens"]
+        assert logprobs(a) == logprobs(b) == logprobs(c)  # exact
+
+
+def test_two_sequences_in_one_unified_stream_and_five_streams_agree(qwen4exp, text):
+    """-kvu -np 2: while both slots hold cells the stream has two sequences and the grouped scan
+    runs; alone, one of them takes the kept layout. -np 5 -no-kvu: five kept layouts at once."""
+    prompts = [text[i * 700:i * 700 + 2500] for i in range(5)]
+    env = {"LLAMA_QSA_LAYOUT_CHECK": "1"}
+    for args, n in ((server_args(n_parallel=2, n_ctx=8192, unified=True), 2),
+                    (server_args(n_parallel=5, n_ctx=5 * 2048), 5)):
+        with ServerProcess(qwen4exp, args=args, env=env, timeout=300) as srv:
+            solo = [complete(srv, p, n_predict=12) for p in prompts[:n]]
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                together = list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts[:n]))
+            assert CHECKED in srv.log_text()
+        for a, b in zip(solo, together):
+            assert a["tokens"] == b["tokens"]
