@@ -4,8 +4,9 @@ Where positions alone decide the mask (causal, no sliding window, no ALiBi, one 
 stream), the host uploads each cell's position and each token's instead of n_kv x n_tokens values,
 and the graph computes log(step(p_token - p_cell + 0.5)): 0 or -inf, the host mask's own values. So
 the output is the stock output bit for bit: qwen3moe (plain KV cache), qwen4exp (hybrid memory, QSA
-reads the mask too, with and without --qsa-sparse), flash attention on (f16 mask) and off (f32),
-several streams. The graph's node and input-tensor counts in the start-up log show the path ran.
+reads the mask too, with and without --qsa-sparse, and its per-block bias is built on the device as
+well), flash attention on (f16 mask) and off (f32), several streams. The graph's node and
+input-tensor counts in the start-up log show the path ran.
 """
 
 from __future__ import annotations
@@ -57,13 +58,33 @@ def test_the_device_mask_gives_the_stock_output_bit_for_bit(tiny_model, fa, stre
     assert graph != ref_graph, (ref_graph, graph)  # the mask's nodes and its two inputs are in the graph
 
 
+def input_tensors(graph) -> int:
+    return int(graph[1].split("/")[0])
+
+
 @pytest.mark.parametrize("sparse", [[], ["--qsa-sparse"]], ids=["masked-qsa", "sparse-qsa"])
 def test_hybrid_memory_and_qsa_read_the_device_mask(qwen4exp, sparse):
+    """The KQ mask and the QSA per-block bias from positions (patch 0029): each of the two host
+    inputs becomes two small ones (cells and tokens; blocks and tails), the output is the stock's."""
     args = ["-fa", "on", "-np", "1", "-ub", "16"] + sparse
     ref, ref_graph = run(qwen4exp, args, [LONG])
     out, graph = run(qwen4exp, args + ["--kq-mask-device"], [LONG])
     same(ref, out)
     assert graph != ref_graph
+    assert input_tensors(graph) - input_tensors(ref_graph) == 2, (ref_graph, graph)
+
+
+def test_qsa_blocks_of_two_sequences_in_one_stream(qwen4exp):
+    """-kvu -np 2: slot 1's ubatches run while slot 0's cells share the stream, so the grouped layout
+    (blocks per sequence set) writes the device's block values; LLAMA_QSA_LAYOUT_CHECK=1 compares the
+    kept layout's with it wherever one sequence is left. The output is the host path's bit for bit."""
+    args = BASE + ["-fa", "on", "-np", "2", "-kvu", "-ub", "16", "-c", "4096"]
+    texts = [LONG[:2500], LONG[1500:4000], LONG[:2000]]
+    outs = []
+    for extra in ([], ["--kq-mask-device"]):
+        with ServerProcess(qwen4exp, args=args + extra, env={"LLAMA_QSA_LAYOUT_CHECK": "1"}, timeout=300) as srv:
+            outs.append([complete(srv, t, n_predict=12, id_slot=i % 2) for i, t in enumerate(texts)])
+    same(outs[0], outs[1])
 
 
 def test_several_sequences_in_one_stream_keep_the_host_mask(tiny_model):

@@ -48,8 +48,8 @@ def requests(text: str) -> list[dict]:
     ]
 
 
-def run(model, env, reqs, args=None):
-    with ServerProcess(model, args=args or server_args(), env=env, timeout=300) as srv:
+def run(model, env, reqs, args=None, extra=()):
+    with ServerProcess(model, args=(args or server_args()) + list(extra), env=env, timeout=300) as srv:
         outs = [complete_with(srv, r) for r in reqs]
         log = srv.log_text()
     return outs, log
@@ -61,14 +61,17 @@ def complete_with(srv, req):
     return complete(srv, prompt, n_predict=body.pop("n_predict"), **body)
 
 
-def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp, text):
+@pytest.mark.parametrize("device", [[], ["--kq-mask-device"]], ids=["host-bias", "device-bias"])
+def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp, text, device):
+    """With --kq-mask-device the layouts write the device's block values and tails instead of the
+    bias rows (patch 0029): compared the same way."""
     reqs = requests(text)
-    checked, log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs)
+    checked, log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
     assert CHECKED in log
     assert checked[1]["tokens_cached"] > 1000  # the second request reused the first one's cells
-    stock, stock_log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_FAST": "0", "LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs)
+    stock, stock_log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_FAST": "0", "LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
     assert CHECKED not in stock_log  # off: nothing to compare
-    fast, _ = run(qwen4exp, {}, reqs)
+    fast, _ = run(qwen4exp, {}, reqs, extra=device)
     for a, b, c in zip(stock, checked, fast):
         assert a["tokens"] == b["tokens"] == c["tokens"]
         assert logprobs(a) == logprobs(b) == logprobs(c)  # exact
