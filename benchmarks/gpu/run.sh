@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [qsa-ops] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
@@ -131,6 +131,16 @@ while [ $i -lt ${#phases[@]} ]; do
             | python3 -c 'import json, sys; [print("cpu-decode: t=%s no_host=%s repack=%s poll=%s: %.1f t/s" % (r["n_threads"], r.get("no_host"), r.get("repack", r.get("use_extra_bufts")), r.get("poll"), r["avg_ts"])) for r in map(json.loads, sys.stdin)]' \
             | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode.err"; failed=1; }
         ;;
+    qsa-ops)
+        # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
+        # (benchmarks/native/bench_qsa_indexer.cpp; QSA_OPS_ARGS: its flags)
+        log "qsa-ops: bench-qsa-indexer ${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"}"
+        qb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-qsa-indexer"))')
+        # shellcheck disable=SC2086 # QSA_OPS_ARGS is a word list
+        "$qb" ${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"} 2> "$out/qsa-ops.err" | tee "$out/qsa-ops.jsonl" \
+            | python3 -c 'import json, sys; [print("qsa-ops: %(stage)s n_kv=%(n_kv)d n_tps=%(n_tps)d: %(ms).3f ms" % r) for r in map(json.loads, sys.stdin)]' \
+            | tee -a "$out/run.log" || { tail -20 "$out/qsa-ops.err"; failed=1; }
+        ;;
     model)
         mkdir -p "$models"
         # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" } (it carries the
@@ -159,7 +169,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, qsa-ops, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi

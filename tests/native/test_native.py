@@ -35,6 +35,27 @@ def test_moe_cache_policies():
     assert " passed," in out
 
 
+def test_the_qsa_indexer_bench_times_every_stage():
+    """benchmarks/native/bench_qsa_indexer.cpp (issue 12): one JSON line per stage and shape, each a
+    positive median time, on the CPU here (the device phase runs it on the GPU at depth)."""
+    import json
+
+    out = run_native("bench-qsa-indexer", "-d", "CPU", "-k", "300,1000", "-t", "1,4", "-r", "2")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    stages = {"pool", "score", "expand", "top_k", "top_k_blocks"}
+    assert {(r["stage"], r["n_kv"], r["n_tps"]) for r in rows} == {
+        (s, k, t) for s in stages for k in (300, 1000) for t in (1, 4)}
+    assert all(r["ms"] > 0 and r["ms_min"] <= r["ms"] and r["device"] == "CPU" for r in rows), rows
+
+
+def test_the_qsa_indexer_bench_names_a_bad_argument():
+    exe = binary("bench-qsa-indexer")
+    r = subprocess.run([str(exe), "-k", "12,x"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a list of positive integers" in r.stderr
+    r = subprocess.run([str(exe), "-d", "NoSuchDevice"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no device named 'NoSuchDevice'" in r.stderr
+
+
 def _dynamic_symbols(path) -> tuple[set[str], str]:
     """(defined dynamic symbols, the dynamic section) of a shared object, read with binutils."""
     nm = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
