@@ -380,8 +380,9 @@ def render_markdown(run: dict) -> str:
             "the server's `/moe-cache` after its last request: the share of routed (token, expert) pairs "
             "that a slot served (overall and over the last 256 tokens), experts uploaded into slots and "
             "the evictions among them, the slots per cached layer, the memory of the slot banks, the "
-            "mean and the longest time a step spent in the cache's bookkeeping before its decode (the "
-            "routed ids counted, uploads published and planned), and the batches that ran through "
+            "mean and the longest time of a cache step before a ubatch (the routed ids counted, uploads "
+            "published and planned; it first waits for the previous ubatch's device work to finish, so "
+            "on a GPU it includes that wait and is not host overhead alone), and the batches that ran through "
             "the cache or bypassed it for having more tokens than its max batch (prompts, and verify "
             "batches that did not fit).",
             "",
