@@ -1,0 +1,68 @@
+"""The pooled-key store of QSA layers (patch 0030) through the real llama-server on the CPU.
+
+Each QSA layer keeps the pooled (normed, rotated) indexer key of every full block beside its cache,
+so a ubatch pools only the blocks the store lacks (new, changed, or written by it) and reads the
+others; every row goes through the pin's ops, so the scores and the output are the pin's bit for bit
+(LLAMA_QSA_POOL_STORE=0): a deep prompt in ubatches of 16, the prompt extended from the cache, a
+different prompt on the same slot, the KQ mask and QSA bias built on the device, sparse attention,
+and five sessions at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from moe_cache_checks import complete, logprobs, real_text
+from moecache import synth
+from moecache.server import ServerProcess
+
+USED = "QSA pools only the blocks its pooled-key store lacks"
+
+
+def server_args(n_parallel=1, n_ctx=8192):
+    return ["-t", "2", "-c", str(n_ctx), "-np", str(n_parallel), "-ngl", "0", "-fa", "on",
+            "-b", "256", "-ub", "16", "-no-kvu", "-lv", "4"]
+
+
+@pytest.fixture(scope="module")
+def qwen4exp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qsapool") / "tiny-qwen4exp.gguf"
+    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
+
+
+@pytest.fixture(scope="module")
+def text() -> str:
+    return real_text(2500, 9000)
+
+
+def run(model, text, env, extra=()):
+    with ServerProcess(model, args=server_args() + list(extra), env=env, timeout=300) as srv:
+        outs = [complete(srv, text[:6000], n_predict=24, cache_prompt=True),
+                complete(srv, text[:7000], n_predict=24, cache_prompt=True),
+                complete(srv, text[3000:5000], n_predict=24, cache_prompt=True)]
+        return outs, srv.log_text()
+
+
+@pytest.mark.parametrize("extra", [[], ["--kq-mask-device"], ["--qsa-sparse"]], ids=["masked", "device", "sparse"])
+def test_the_store_gives_the_pins_output_bit_for_bit(qwen4exp, text, extra):
+    pin, pin_log = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE": "0"}, extra)
+    kept, log = run(qwen4exp, text, {}, extra)
+    assert USED in log and USED not in pin_log
+    assert "QSA pooled-key store:" in log
+    assert kept[1]["tokens_cached"] > 1000
+    for a, b in zip(pin, kept):
+        assert a["tokens"] == b["tokens"]
+        assert logprobs(a) == logprobs(b)  # exact
+
+
+def test_five_sessions_with_the_store_equal_the_pins(qwen4exp, text):
+    prompts = [text[i * 700:i * 700 + 2500] for i in range(5)]
+    outs = []
+    for env in ({"LLAMA_QSA_POOL_STORE": "0"}, {}):
+        with ServerProcess(qwen4exp, args=server_args(n_parallel=5, n_ctx=5 * 2048), env=env, timeout=300) as srv:
+            with concurrent.futures.ThreadPoolExecutor(5) as pool:
+                outs.append(list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts)))
+    for a, b in zip(*outs):
+        assert a["tokens"] == b["tokens"]
