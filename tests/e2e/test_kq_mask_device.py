@@ -16,18 +16,11 @@ import re
 import pytest
 
 from moe_cache_checks import PROMPTS, complete, logprobs, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 BASE = ["-t", "2", "-c", "2048", "-ngl", "0", "-b", "256", "-ub", "64", "-lv", "4"]
 GRAPH = re.compile(r"graph(?: \(pp bs=\d+, tg bs=\d+\))?: nodes = ([\d /]+), splits = [\d /]+, "
                    r"input objects = [\d /]+, input tensors = ([\d /]+)")
-
-
-@pytest.fixture(scope="module")
-def qwen4exp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kqmask") / "tiny-qwen4exp.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
 
 
 def run(model, args, prompts):

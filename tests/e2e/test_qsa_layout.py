@@ -16,7 +16,6 @@ import concurrent.futures
 import pytest
 
 from moe_cache_checks import complete, logprobs, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 CHECKED = "LLAMA_QSA_LAYOUT_CHECK: the layout by position equals the grouped one"
@@ -25,12 +24,6 @@ CHECKED = "LLAMA_QSA_LAYOUT_CHECK: the layout by position equals the grouped one
 def server_args(n_parallel=1, n_ctx=4096, unified=False):
     return ["-t", "2", "-c", str(n_ctx), "-np", str(n_parallel), "-ngl", "0", "-fa", "on",
             "-b", "256", "-ub", "16", "-kvu" if unified else "-no-kvu"]
-
-
-@pytest.fixture(scope="module")
-def qwen4exp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsalayout") / "tiny-qwen4exp.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
 
 
 @pytest.fixture(scope="module")

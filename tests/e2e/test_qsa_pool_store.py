@@ -15,7 +15,6 @@ import concurrent.futures
 import pytest
 
 from moe_cache_checks import complete, logprobs, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 USED = "QSA pools only the blocks its pooled-key store lacks"
@@ -24,12 +23,6 @@ USED = "QSA pools only the blocks its pooled-key store lacks"
 def server_args(n_parallel=1, n_ctx=8192):
     return ["-t", "2", "-c", str(n_ctx), "-np", str(n_parallel), "-ngl", "0", "-fa", "on",
             "-b", "256", "-ub", "16", "-no-kvu", "-lv", "4"]
-
-
-@pytest.fixture(scope="module")
-def qwen4exp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsapool") / "tiny-qwen4exp.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,6 @@ ARGS = server_args()
 
 
 @pytest.fixture(scope="module")
-def qwen4exp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsa") / "tiny-qwen4exp.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
-
-
-@pytest.fixture(scope="module")
 def deep_prompt() -> str:
     return real_text(2500, 10000)
 
