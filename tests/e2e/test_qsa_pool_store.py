@@ -59,3 +59,14 @@ def test_five_sessions_with_the_store_equal_the_pins(qwen4exp, text):
                 outs.append(list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts)))
     for a, b in zip(*outs):
         assert a["tokens"] == b["tokens"]
+
+
+def test_a_store_that_cannot_be_allocated_leaves_the_pins_pooling(qwen4exp, text):
+    """LLAMA_QSA_POOL_STORE_FAIL=1 injects the allocation failure: the server warns, starts, and
+    answers with the pin's output, pooling every block."""
+    pin, _ = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE": "0"})
+    failed, log = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE_FAIL": "1"})
+    assert "no memory for the QSA pooled-key store" in log
+    assert USED not in log and "QSA pooled-key store:" not in log
+    for a, b in zip(pin, failed):
+        assert a["tokens"] == b["tokens"] and logprobs(a) == logprobs(b)
