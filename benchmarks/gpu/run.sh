@@ -70,10 +70,12 @@ while [ $i -lt ${#phases[@]} ]; do
         bash "$repo/benchmarks/gpu/diag-load.sh" "$out" || true
         ;;
     backend-ops)
-        # the MUL_MAT_ID cases (patch 0001's skip ids among them) on the GPU against the CPU
-        log "backend-ops: test-backend-ops -o MUL_MAT_ID -b CUDA0"
+        # an op's cases on the GPU against the CPU: MUL_MAT_ID (patch 0001's skip ids among them), or
+        # BACKEND_OPS (TOP_K: patch 0031)
+        op=${BACKEND_OPS:-MUL_MAT_ID}
+        log "backend-ops: test-backend-ops -o $op -b CUDA0"
         ops=$(python3 -c 'from moecache.paths import binary; print(binary("test-backend-ops"))')
-        if (set -o pipefail; "$ops" test -o MUL_MAT_ID -b CUDA0 2>&1 | tee "$out/backend-ops.log" | tail -5); then
+        if (set -o pipefail; "$ops" test -o "$op" -b CUDA0 2>&1 | tee "$out/backend-ops.log" | tail -5); then
             log "backend-ops: passed"
         else
             log "backend-ops: FAILED (see backend-ops.log)"; failed=1
@@ -125,8 +127,10 @@ while [ $i -lt ${#phases[@]} ]; do
         /tmp/host-bandwidth 8 1,2,4,8,12,16 | tee "$out/host-bandwidth.jsonl" | tee -a "$out/run.log"
         q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
         bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
+        # a quoted default inside ${..:-..} would not be split into words: take it through a variable
+        cargs=${CPU_DECODE_ARGS:-"-t 8,16 --no-host 0,1 --poll 50,100"}
         # shellcheck disable=SC2086 # CPU_DECODE_ARGS is a word list
-        "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none ${CPU_DECODE_ARGS:-"-t 8,16 --no-host 0,1 --poll 50,100"} \
+        "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none $cargs \
             -o jsonl 2> "$out/cpu-decode.err" | tee "$out/cpu-decode.jsonl" \
             | python3 -c 'import json, sys; [print("cpu-decode: t=%s no_host=%s repack=%s poll=%s: %.1f t/s" % (r["n_threads"], r.get("no_host"), r.get("repack", r.get("use_extra_bufts")), r.get("poll"), r["avg_ts"])) for r in map(json.loads, sys.stdin)]' \
             | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode.err"; failed=1; }
@@ -134,10 +138,11 @@ while [ $i -lt ${#phases[@]} ]; do
     qsa-ops)
         # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
         # (benchmarks/native/bench_qsa_indexer.cpp; QSA_OPS_ARGS: its flags)
-        log "qsa-ops: bench-qsa-indexer ${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"}"
+        qargs=${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"}
+        log "qsa-ops: bench-qsa-indexer $qargs"
         qb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-qsa-indexer"))')
         # shellcheck disable=SC2086 # QSA_OPS_ARGS is a word list
-        "$qb" ${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"} 2> "$out/qsa-ops.err" | tee "$out/qsa-ops.jsonl" \
+        "$qb" $qargs 2> "$out/qsa-ops.err" | tee "$out/qsa-ops.jsonl" \
             | python3 -c 'import json, sys; [print("qsa-ops: %(stage)s n_kv=%(n_kv)d n_tps=%(n_tps)d: %(ms).3f ms" % r) for r in map(json.loads, sys.stdin)]' \
             | tee -a "$out/run.log" || { tail -20 "$out/qsa-ops.err"; failed=1; }
         ;;
