@@ -2,7 +2,9 @@
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
 #   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [qsa-ops] [drop-models] [bench SCENARIO...]
-#   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench)
+#   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
+#   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
+#   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
 #
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
 # .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
