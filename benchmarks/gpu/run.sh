@@ -6,6 +6,12 @@
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
 #
+# For a device call: MODEL_AHEAD=SCENARIO.toml makes that scenario's synthetic model in the background
+# from the first second (beside the build; the bench phase waits for it), and PACK_TO=DIR packs the
+# output folder into DIR/<its name>.tgz every 15 s and at the end, so a call cut by its time limit
+# still returns what was written (the device returns few files: point PACK_TO at the call's $OUT and
+# OUT at a folder outside it).
+#
 # Offline machines: pack the pinned tree here first (benchmarks/gpu/pack-source.sh) and carry
 # .carry/; the script unpacks it and points MOECACHE_LLAMA_SRC at it. Logs and results go to
 # $OUT (or benchmarks/results/gpu-logs when OUT is unset). Each phase can run in its own call:
@@ -35,6 +41,27 @@ if [ -z "${MOECACHE_LLAMA_SRC:-}" ] && [ -f .carry/llama-src.tar.gz ]; then
 fi
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$out/run.log"; }
+
+if [ -n "${PACK_TO:-}" ]; then
+    mkdir -p "$PACK_TO"
+    case "$(cd "$PACK_TO" && pwd)/" in "$(cd "$out" && pwd)/"*)
+        echo "run.sh: PACK_TO ($PACK_TO) must lie outside the output folder ($out): set OUT elsewhere" >&2; exit 2 ;;
+    esac
+    pack_name=$(basename "$out")
+    pack() { tar -czf "$PACK_TO/$pack_name-part.tgz" -C "$out" . 2>/dev/null && mv "$PACK_TO/$pack_name-part.tgz" "$PACK_TO/$pack_name.tgz"; }
+    (while sleep 15; do pack || true; done) &
+    packer=$!
+    trap 'kill $packer 2>/dev/null || true; pack || true' EXIT
+fi
+
+ahead_pid=$out/model-ahead.pid
+if [ -n "${MODEL_AHEAD:-}" ]; then
+    # the package's Python parts from the tree, so no install is needed yet
+    (PYTHONPATH=$repo/src python3 -m moecache bench "$MODEL_AHEAD" --model-only > "$out/model-ahead.log" 2>&1 || true
+     rm -f "$ahead_pid") &
+    echo $! > "$ahead_pid"
+    log "model-ahead: making the model of $MODEL_AHEAD in the background"
+fi
 
 i=0
 while [ $i -lt ${#phases[@]} ]; do
@@ -167,6 +194,11 @@ while [ $i -lt ${#phases[@]} ]; do
         rm -f "$models"/*.gguf
         ;;
     bench)
+        if [ -f "$ahead_pid" ]; then
+            log "bench: waiting for the model made ahead"
+            while [ -f "$ahead_pid" ] && kill -0 "$(cat "$ahead_pid")" 2>/dev/null; do sleep 2; done
+            tail -2 "$out/model-ahead.log" | tee -a "$out/run.log"
+        fi
         scenarios=()
         while [ $i -lt ${#phases[@]} ] && [[ ${phases[$i]} == *.toml ]]; do scenarios+=("${phases[$i]}"); i=$((i + 1)); done
         [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)

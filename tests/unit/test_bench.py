@@ -175,6 +175,25 @@ def test_dry_run_starts_nothing_and_writes_nothing(tmp_path, capsys, monkeypatch
     assert not out.exists()
 
 
+def test_model_only_makes_the_model_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    from moecache.server import ServerProcess
+
+    monkeypatch.setattr(ServerProcess, "start", lambda self: pytest.fail("a server was started"))
+    monkeypatch.setenv("MOECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_scenario(tmp_path, GOOD.replace('"../model.gguf"', '{ synth = "tiny", quant = "q8_0" }'))
+    out = tmp_path / "out"
+    assert bench.main([str(path), "--model-only", "--out", str(out)]) == 0
+    made = Path(capsys.readouterr().out.strip())
+    assert made.is_file() and made.stat().st_size > 0 and str(tmp_path / "cache") in str(made)
+    assert not out.exists()
+    # a second call finds it
+    mtime = made.stat().st_mtime_ns
+    assert bench.main([str(path), "--model-only"]) == 0
+    assert Path(capsys.readouterr().out.strip()) == made and made.stat().st_mtime_ns == mtime
+    assert bench.main([str(path), "--model-only", "--dry-run"]) == 2
+    assert "pass one of them" in capsys.readouterr().err
+
+
 def test_default_out_dir():
     assert bench.default_out_dir(SCENARIOS / "smoke.toml") == (REPO / "benchmarks" / "results").resolve()
 

@@ -62,6 +62,10 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
                         "the scenario's vram_budget_gib; 0 turns a scenario's budget off. Needs a CUDA GPU")
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario and print the commands, the prompts and the model; start nothing")
+    p.add_argument("--model-only", action="store_true",
+                   help="make (or find) the scenario's model, print its path and stop: a synthetic model made "
+                        "ahead is cached for the real run (in q8_0, q4_0, f16 or f32 it needs no built binary, so "
+                        "it can be made while the build runs)")
     return p
 
 
@@ -82,10 +86,20 @@ def main(argv: list[str] | None = None, prog: str = "moecache bench") -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .runner import BenchError, run_scenario
+    from ..synth import SynthError
+    from .runner import BenchError, resolve_model, run_scenario
 
     try:
         sc = load_scenario(args.scenario)
+        if args.model_only:
+            if args.dry_run:
+                raise ScenarioError("--model-only makes the model, --dry-run makes nothing: pass one of them")
+            try:
+                path, _ = resolve_model(sc.model, sc.path, make=True)
+            except SynthError as e:
+                raise ScenarioError(f"model: {e}") from None
+            print(path)
+            return 0
         if args.arms:
             sc.select_arms([a.strip() for a in args.arms.split(",") if a.strip()])
         if args.depths:
