@@ -1,0 +1,53 @@
+"""GGML_SCHED_TIMES=1 (patch 0033): the scheduler reports each backend's time in its splits, the
+input copies apart, when it is freed. A hybrid graph of two backends (the layers on an rpc-server on
+loopback, the experts on the CPU: `-ot exps=CPU`) must report both, with the splits they ran; without
+the variable nothing is reported.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+from moecache.paths import binary
+from moecache.server import free_port
+
+TIMES = re.compile(r"ggml_backend_sched_free: times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
+                   r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
+N_GEN = 8
+
+
+def bench(model, port, **env) -> list[tuple]:
+    import os
+
+    proc = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(N_GEN), "-r", "1",
+                           "-t", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-ot", "exps=CPU", "-v"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return TIMES.findall(proc.stderr)
+
+
+def test_each_backend_reports_its_splits(tiny_model):
+    rpc = binary("ggml-rpc-server")
+    port = free_port()
+    server = subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT)
+    try:
+        time.sleep(1.0)
+        assert server.poll() is None, "rpc-server exited"
+        timed = bench(tiny_model, port, GGML_SCHED_TIMES="1")
+        untimed = bench(tiny_model, port)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert untimed == []
+    by_backend = {name: (int(g), float(s), float(c), float(cp)) for name, g, s, c, cp in timed}
+    assert set(by_backend) == {"CPU", f"RPC0[127.0.0.1:{port}]"}, by_backend
+    for name, (graphs, splits, compute_ms, copy_ms) in by_backend.items():
+        assert graphs == N_GEN + 1, (name, graphs)  # the warm-up token and the timed ones
+        # the experts of each layer are a CPU split between two of the device's
+        assert splits >= 2, (name, splits)
+        assert compute_ms > 0, name
+    # only the CPU's splits copy their inputs from the other device
+    assert by_backend["CPU"][3] > 0
