@@ -1,7 +1,7 @@
-"""GGML_SCHED_TIMES=1 (patch 0033): the scheduler reports each backend's time in its splits, the
-input copies apart, when it is freed. A hybrid graph of two backends (the layers on an rpc-server on
-loopback, the experts on the CPU: `-ot exps=CPU`) must report both, with the splits they ran; without
-the variable nothing is reported.
+"""GGML_SCHED_TIMES (patch 0033): the scheduler reports each backend's time in its splits, the input
+copies apart, and the host's time between graphs, when it is freed (1) or every N graphs (N > 1).
+A hybrid graph of two backends (the layers on an rpc-server on loopback, the experts on the CPU:
+`-ot exps=CPU`) must report both, with the splits they ran; without the variable nothing is reported.
 """
 
 from __future__ import annotations
@@ -13,19 +13,20 @@ import time
 from moecache.paths import binary
 from moecache.server import free_port
 
-TIMES = re.compile(r"ggml_backend_sched_free: times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
+TIMES = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
                    r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
+HOST = re.compile(r"ggml_sched_times: host graphs=(\d+) gaps=(\d+) gap_ms_per_graph=([\d.]+)")
 N_GEN = 8
 
 
-def bench(model, port, **env) -> list[tuple]:
+def bench(model, port, **env) -> tuple[list[tuple], list[tuple]]:
     import os
 
     proc = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(N_GEN), "-r", "1",
                            "-t", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-ot", "exps=CPU", "-v"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return TIMES.findall(proc.stderr)
+    return TIMES.findall(proc.stderr), HOST.findall(proc.stderr)
 
 
 def test_each_backend_reports_its_splits(tiny_model):
@@ -36,12 +37,15 @@ def test_each_backend_reports_its_splits(tiny_model):
     try:
         time.sleep(1.0)
         assert server.poll() is None, "rpc-server exited"
-        timed = bench(tiny_model, port, GGML_SCHED_TIMES="1")
+        timed, host = bench(tiny_model, port, GGML_SCHED_TIMES="1")
+        every, every_host = bench(tiny_model, port, GGML_SCHED_TIMES="4")
         untimed = bench(tiny_model, port)
     finally:
         server.terminate()
         server.wait(timeout=10)
-    assert untimed == []
+    assert untimed == ([], [])
+    assert [int(g) for g, _, _ in host] == [N_GEN + 1]
+    assert float(host[0][2]) > 0
     by_backend = {name: (int(g), float(s), float(c), float(cp)) for name, g, s, c, cp in timed}
     assert set(by_backend) == {"CPU", f"RPC0[127.0.0.1:{port}]"}, by_backend
     for name, (graphs, splits, compute_ms, copy_ms) in by_backend.items():
@@ -51,3 +55,6 @@ def test_each_backend_reports_its_splits(tiny_model):
         assert compute_ms > 0, name
     # only the CPU's splits copy their inputs from the other device
     assert by_backend["CPU"][3] > 0
+    # every 4 graphs, then the rest at free: 4 + 4 + 1 per backend
+    assert [int(g) for g, _, _ in every_host] == [4, 4, 1]
+    assert sorted(int(g) for _, g, _, _, _ in every) == [1, 1, 4, 4, 4, 4]
