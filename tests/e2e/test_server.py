@@ -163,9 +163,17 @@ def test_launcher_missing_model_is_a_clear_error(tmp_path, subprocess_env):
 
 def test_bench_smoke_scenario_writes_md_and_json(tmp_path, tiny_model, llama_server_bin, subprocess_env):
     out = tmp_path / "results"
+    logs = tmp_path / "logs"
     r = subprocess.run([sys.executable, "-m", "moecache", "bench", str(REPO / "benchmarks/scenarios/smoke.toml"),
-                        "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=240)
+                        "--out", str(out), "--server-logs", str(logs)],
+                       env={**subprocess_env, "GGML_SCHED_TIMES": "4", "LLAMA_ARG_LOG_VERBOSITY": "4"},
+                       capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
+    # --server-logs keeps each arm's log, with the per-backend times of every 4 graphs (GGML_SCHED_TIMES,
+    # patch 0033; the library's info lines show from verbosity 4)
+    assert sorted(p.name for p in logs.iterdir()) == ["smoke-ub32.log", "smoke-ub512.log"]
+    for log in logs.iterdir():
+        assert "ggml_sched_times: backend=CPU" in log.read_text(errors="replace"), log.name
     [md] = list(out.glob("*-smoke.md"))
     [js] = list(out.glob("*-smoke.json"))
     text = md.read_text()

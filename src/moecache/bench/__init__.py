@@ -60,6 +60,9 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
                         "(python -m moecache.bench.ballast) holds all but GIB GiB of every visible GPU's free "
                         "memory, and it is stopped after that server; the results record what it held. Overrides "
                         "the scenario's vram_budget_gib; 0 turns a scenario's budget off. Needs a CUDA GPU")
+    p.add_argument("--server-logs", metavar="DIR",
+                   help="keep each arm's llama-server log in DIR as <scenario>-<arm>.log (by default a log is "
+                        "kept only when its arm failed), e.g. for GGML_SCHED_TIMES's per-backend times")
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario and print the commands, the prompts and the model; start nothing")
     p.add_argument("--model-only", action="store_true",
@@ -122,7 +125,14 @@ def _run(args: argparse.Namespace) -> int:
                                     f"got {args.vram_budget}")
             sc.vram_budget_gib = args.vram_budget or None
         out_dir = Path(args.out) if args.out else default_out_dir(sc.path)
-        run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run)
+        logs_dir = None
+        if args.server_logs:
+            logs_dir = Path(args.server_logs)
+            try:
+                logs_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ScenarioError(f"--server-logs: cannot make {logs_dir}: {e.strerror}") from None
+        run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run, logs_dir=logs_dir)
     except ScenarioError as e:
         print(f"moecache bench: {e}", file=sys.stderr)
         return 2

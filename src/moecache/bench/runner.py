@@ -671,9 +671,10 @@ def _progress(prompt: str, length: int | None, users: int, rep: int, reps: int, 
             f"({s['predicted_n']} tokens in all){spec}{warn}")
 
 
-def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out: TextIO | None = None
-                 ) -> tuple[dict, tuple[Path, Path] | None]:
-    """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run)."""
+def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out: TextIO | None = None,
+                 logs_dir: Path | None = None) -> tuple[dict, tuple[Path, Path] | None]:
+    """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run); with
+    `logs_dir`, keep each arm's server log there as <scenario>-<arm>.log."""
     out = out or sys.stderr
 
     def say(msg: str) -> None:
@@ -703,7 +704,9 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
         "results": [],
     }
     servers = [ServerProcess(model_path, args=arm_server_args(sc, a), env=arm_env(sc, a),
-                             timeout=sc.start_timeout) for a in sc.arms]
+                             timeout=sc.start_timeout,
+                             log_path=logs_dir / f"{sc.name}-{a.name}.log" if logs_dir is not None else None)
+               for a in sc.arms]
     for arm in sc.arms:
         run["arms"].append({"name": arm.name, "baseline": arm.baseline, "description": arm.description,
                             "args": arm.args, "server_args": arm_server_args(sc, arm),
