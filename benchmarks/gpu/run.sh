@@ -6,7 +6,7 @@
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
 #
-# For a device call: MODEL_AHEAD=SCENARIO.toml makes that scenario's synthetic model in the background
+# For a device call: MODEL_AHEAD=SCENARIO.toml[,SCENARIO.toml] makes those scenarios' synthetic models in the background
 # from the first second (beside the build; the bench phase waits for it), and PACK_TO=DIR packs the
 # output folder into DIR/<its name>.tgz every 15 s and at the end, so a call cut by its time limit
 # still returns what was written (the device returns few files: point PACK_TO at the call's $OUT and
@@ -57,7 +57,11 @@ fi
 ahead_pid=$out/model-ahead.pid
 if [ -n "${MODEL_AHEAD:-}" ]; then
     # the package's Python parts from the tree, so no install is needed yet
-    (PYTHONPATH=$repo/src python3 -m moecache bench "$MODEL_AHEAD" --model-only > "$out/model-ahead.log" 2>&1 || true
+    # several scenarios: comma-separated, made one after the other
+    (IFS=, read -ra ahead <<< "$MODEL_AHEAD"
+     for sc in "${ahead[@]}"; do
+         PYTHONPATH=$repo/src python3 -m moecache bench "$sc" --model-only >> "$out/model-ahead.log" 2>&1 || true
+     done
      rm -f "$ahead_pid") &
     echo $! > "$ahead_pid"
     log "model-ahead: making the model of $MODEL_AHEAD in the background"
@@ -158,11 +162,17 @@ while [ $i -lt ${#phases[@]} ]; do
         bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
         # a quoted default inside ${..:-..} would not be split into words: take it through a variable
         cargs=${CPU_DECODE_ARGS:-"-t 8,16 --no-host 0,1 --poll 50,100"}
+        # GGML_SCHED_TIMES (patch 0033): each test's GPU, CPU, copy and host time per token, logged (-v) at
+        # its context's end in test order; then every expert in VRAM, the GPU's share alone
         # shellcheck disable=SC2086 # CPU_DECODE_ARGS is a word list
-        "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none $cargs \
+        GGML_SCHED_TIMES=1 "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none $cargs -v \
             -o jsonl 2> "$out/cpu-decode.err" | tee "$out/cpu-decode.jsonl" \
             | python3 -c 'import json, sys; [print("cpu-decode: t=%s no_host=%s repack=%s poll=%s: %.1f t/s" % (r["n_threads"], r.get("no_host"), r.get("repack", r.get("use_extra_bufts")), r.get("poll"), r["avg_ts"])) for r in map(json.loads, sys.stdin)]' \
             | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode.err"; failed=1; }
+        GGML_SCHED_TIMES=1 "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -v -o jsonl 2> "$out/cpu-decode-vram.err" \
+            | tee "$out/cpu-decode-vram.jsonl" | python3 -c 'import json, sys; [print("cpu-decode: all in VRAM: %.1f t/s" % r["avg_ts"]) for r in map(json.loads, sys.stdin)]' \
+            | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode-vram.err"; failed=1; }
+        grep -h "ggml_sched_times" "$out/cpu-decode.err" "$out/cpu-decode-vram.err" | tee "$out/cpu-decode-times.log" | tee -a "$out/run.log" || true
         ;;
     qsa-ops)
         # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
