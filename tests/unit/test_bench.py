@@ -1003,8 +1003,9 @@ def test_bad_vram_budget_is_a_clear_error(tmp_path, value):
 
 def test_vram_budget_flag_overrides_the_scenario(tmp_path, monkeypatch, capsys):
     seen = []
-    monkeypatch.setattr(runner, "run_scenario", lambda sc, out, dry_run=False: (seen.append(sc.vram_budget_gib)
-                                                                                or ({"ok": True}, None)))
+    monkeypatch.setattr(runner, "run_scenario",
+                        lambda sc, out, dry_run=False, logs_dir=None: (seen.append(sc.vram_budget_gib)
+                                                                       or ({"ok": True}, None)))
     with_key = write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 24"))
     without = write_scenario(tmp_path, GOOD, name="plain.toml")
     assert bench.main([str(with_key)]) == 0
