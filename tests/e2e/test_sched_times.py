@@ -1,7 +1,8 @@
-"""GGML_SCHED_TIMES (patch 0033): the scheduler reports each backend's time in its splits, the input
+"""GGML_SCHED_TIMES (patches 0033, 0034): the scheduler reports each backend's time in its splits, the input
 copies apart, and the host's time between graphs, when it is freed (1) or every N graphs (N > 1).
 A hybrid graph of two backends (the layers on an rpc-server on loopback, the experts on the CPU:
-`-ot exps=CPU`) must report both, with the splits they ran; without the variable nothing is reported.
+`-ot exps=CPU`) must report both, with the splits they ran, and the context its host steps per ubatch
+(each input by type); without the variable nothing is reported.
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ from moecache.server import free_port
 
 TIMES = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
                    r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
+STEPS = re.compile(r"llama_host_times: ubatches=(\d+) decode_ms=([\d.]+) .* compute_ms=([\d.]+) .* inputs: (.*)")
 HOST = re.compile(r"ggml_sched_times: host graphs=(\d+) gaps=(\d+) gap_ms_per_graph=([\d.]+)")
 N_GEN = 8
 
 
-def bench(model, port, **env) -> tuple[list[tuple], list[tuple]]:
+def bench(model, port, **env) -> tuple[list[tuple], list[tuple], list[tuple]]:
     import os
 
     proc = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(N_GEN), "-r", "1",
                            "-t", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-ot", "exps=CPU", "-v"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return TIMES.findall(proc.stderr), HOST.findall(proc.stderr)
+    return TIMES.findall(proc.stderr), HOST.findall(proc.stderr), STEPS.findall(proc.stderr)
 
 
 def test_each_backend_reports_its_splits(tiny_model):
@@ -37,13 +39,20 @@ def test_each_backend_reports_its_splits(tiny_model):
     try:
         time.sleep(1.0)
         assert server.poll() is None, "rpc-server exited"
-        timed, host = bench(tiny_model, port, GGML_SCHED_TIMES="1")
-        every, every_host = bench(tiny_model, port, GGML_SCHED_TIMES="4")
+        timed, host, steps = bench(tiny_model, port, GGML_SCHED_TIMES="1")
+        every, every_host, every_steps = bench(tiny_model, port, GGML_SCHED_TIMES="4")
         untimed = bench(tiny_model, port)
     finally:
         server.terminate()
         server.wait(timeout=10)
-    assert untimed == ([], [])
+    assert untimed == ([], [], [])
+    # the context's host steps (patch 0034): one line at free, the inputs by type, decode >= compute
+    [(ubatches, decode_ms, compute_ms, inputs)] = steps
+    assert int(ubatches) == N_GEN + 1
+    assert float(decode_ms) >= float(compute_ms) > 0
+    names = {kv.split("=")[0] for kv in inputs.split()}
+    assert {"llm_graph_input_attn_kv", "llm_graph_input_embd"} <= names, names
+    assert [int(u) for u, _, _, _ in every_steps] == [4, 4, 1]
     assert [int(g) for g, _, _ in host] == [N_GEN + 1]
     assert float(host[0][2]) > 0
     by_backend = {name: (int(g), float(s), float(c), float(cp)) for name, g, s, c, cp in timed}
