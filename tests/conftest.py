@@ -94,6 +94,37 @@ def free_port():
     return _free_port
 
 
+@pytest.fixture
+def rpc_servers(llama_server_bin):
+    """A function that starts n rpc-servers on loopback (their CPU backends, one thread each) and
+    returns their ports; the servers are stopped after the test."""
+    import subprocess
+    import time
+
+    from moecache.server import free_port as _free_port
+
+    rpc = llama_server_bin.parent / "ggml-rpc-server"
+    procs = []
+
+    def start(n: int = 1) -> list[int]:
+        assert rpc.exists(), f"{rpc} is not built (GGML_RPC)"
+        ports: list[int] = []
+        while len(ports) < n:
+            port = _free_port()
+            if port not in ports:
+                ports.append(port)
+        procs.extend(subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(p), "-t", "1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT) for p in ports)
+        time.sleep(1.0)
+        assert all(p.poll() is None for p in procs), "an rpc-server exited"
+        return ports
+
+    yield start
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def llama_server_bin() -> Path:
     """The built llama-server; a clear failure (not a skip) when moecache is not built."""

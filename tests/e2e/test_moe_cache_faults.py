@@ -16,7 +16,7 @@ import time
 import pytest
 
 from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
-from moecache.server import ServerError, ServerProcess, free_port
+from moecache.server import ServerError, ServerProcess
 
 BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
 HOST = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1"}
@@ -167,29 +167,17 @@ def test_routing_trace_survives_sleep_and_wake(tiny_model, tmp_path):
     assert before and after.startswith(before) and len(after) > len(before)
 
 
-def test_rpc_device_is_refused_with_a_reason(tiny_model, stock, llama_server_bin, tmp_path):
+def test_rpc_device_is_refused_with_a_reason(tiny_model, stock, rpc_servers):
     """Layers on an RPC device (an rpc-server on loopback with its CPU backend): the device has no
     skip ids, so the cache refuses it per layer, and the output is the stock path's."""
-    import subprocess
-
-    rpc = llama_server_bin.parent / "ggml-rpc-server"
-    assert rpc.exists(), f"{rpc} is not built (GGML_RPC)"
-    port = free_port()
-    proc = subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
-    try:
-        time.sleep(1.0)
-        assert proc.poll() is None, "rpc-server exited"
-        args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "--cpu-moe",
-                "--no-repack"]
-        with ServerProcess(tiny_model, args=args, timeout=120) as srv:
-            ref = complete(srv, PROMPTS[0])
-        with ServerProcess(tiny_model, args=args + ["--moe-cache-slots", "4"], timeout=120) as srv:
-            out = complete(srv, PROMPTS[0])
-            st = cache_stats(srv)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    [port] = rpc_servers(1)
+    args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "--cpu-moe",
+            "--no-repack"]
+    with ServerProcess(tiny_model, args=args, timeout=120) as srv:
+        ref = complete(srv, PROMPTS[0])
+    with ServerProcess(tiny_model, args=args + ["--moe-cache-slots", "4"], timeout=120) as srv:
+        out = complete(srv, PROMPTS[0])
+        st = cache_stats(srv)
     assert st["enabled"] is False
     reasons = {layer["reason"] for layer in st["layers"]}
     assert any("RPC" in r and "does not implement MUL_MAT_ID skip ids" in r for r in reasons), reasons

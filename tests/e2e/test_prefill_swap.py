@@ -216,32 +216,19 @@ def test_a_prefill_ubatch_not_above_the_ubatch_turns_the_swap_off_and_says_so(ti
     assert st["enabled"] is False and "prefill_ubatch" not in out["timings"]
 
 
-def test_layers_on_two_devices_swap_each_device(tiny_model, llama_server_bin, free_port):
+def test_layers_on_two_devices_swap_each_device(tiny_model, rpc_servers):
     """Two rpc-servers on loopback (their CPU backends) hold the layers: the compute buffers of both
     devices are released and reserved again, and the output is the stock path's at the prefill ubatch."""
-    rpc = llama_server_bin.parent / "ggml-rpc-server"
-    assert rpc.exists(), f"{rpc} is not built (GGML_RPC)"
-    ports = [free_port(), free_port()]
-    while ports[1] == ports[0]:
-        ports[1] = free_port()
-    procs = [subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(p), "-t", "1"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT) for p in ports]
-    try:
-        time.sleep(1.0)
-        assert all(p.poll() is None for p in procs), "an rpc-server exited"
-        args = ["-t", "2", "-c", "2048", "-b", "256", "-np", "1", "-ngl", "99", "--no-repack",
-                "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-sm", "layer", "-ts", "1,1", "-lv", "4"]
-        with ServerProcess(tiny_model, args=args + ["-ub", str(PREFILL_UB)], timeout=120) as srv:
-            ref = complete(srv, LONG, n_predict=12)
-        with ServerProcess(tiny_model, args=args + SWAP, timeout=120) as srv:
-            out = complete(srv, LONG, n_predict=12)
-            again = complete(srv, LONG, n_predict=12)
-            st = swap_stats(srv)
-            log = srv.log_text()
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=10)
+    ports = rpc_servers(2)
+    args = ["-t", "2", "-c", "2048", "-b", "256", "-np", "1", "-ngl", "99", "--no-repack",
+            "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-sm", "layer", "-ts", "1,1", "-lv", "4"]
+    with ServerProcess(tiny_model, args=args + ["-ub", str(PREFILL_UB)], timeout=120) as srv:
+        ref = complete(srv, LONG, n_predict=12)
+    with ServerProcess(tiny_model, args=args + SWAP, timeout=120) as srv:
+        out = complete(srv, LONG, n_predict=12)
+        again = complete(srv, LONG, n_predict=12)
+        st = swap_stats(srv)
+        log = srv.log_text()
     devices = set(re.findall(r"\s(RPC\d+\[[^\]]+\]) compute buffer size", log))  # RPC0[host:port]
     assert len(devices) >= 2, f"the layers are not on two devices: {devices}"
     assert st["swaps"] == 2 and not any(st["failed"].values())

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 
 from moecache.paths import binary
-from moecache.server import free_port
 
 TIMES = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
                    r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
@@ -31,20 +29,11 @@ def bench(model, port, **env) -> tuple[list[tuple], list[tuple], list[tuple]]:
     return TIMES.findall(proc.stderr), HOST.findall(proc.stderr), STEPS.findall(proc.stderr)
 
 
-def test_each_backend_reports_its_splits(tiny_model):
-    rpc = binary("ggml-rpc-server")
-    port = free_port()
-    server = subprocess.Popen([str(rpc), "-H", "127.0.0.1", "-p", str(port), "-t", "1"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.STDOUT)
-    try:
-        time.sleep(1.0)
-        assert server.poll() is None, "rpc-server exited"
-        timed, host, steps = bench(tiny_model, port, GGML_SCHED_TIMES="1")
-        every, every_host, every_steps = bench(tiny_model, port, GGML_SCHED_TIMES="4")
-        untimed = bench(tiny_model, port)
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
+def test_each_backend_reports_its_splits(tiny_model, rpc_servers):
+    [port] = rpc_servers(1)
+    timed, host, steps = bench(tiny_model, port, GGML_SCHED_TIMES="1")
+    every, every_host, every_steps = bench(tiny_model, port, GGML_SCHED_TIMES="4")
+    untimed = bench(tiny_model, port)
     assert untimed == ([], [], [])
     # the context's host steps (patch 0034): one line at free, the inputs by type, decode >= compute
     [(ubatches, decode_ms, compute_ms, inputs)] = steps
