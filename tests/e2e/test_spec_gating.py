@@ -9,7 +9,6 @@ flips (the stock path with -ub 1 flips at the same token), which is not the spec
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 
