@@ -66,6 +66,14 @@ if [ -n "${MODEL_AHEAD:-}" ]; then
     echo $! > "$ahead_pid"
     log "model-ahead: making the model of $MODEL_AHEAD in the background"
 fi
+# the phases that read a model wait until the ones made ahead are written
+wait_ahead() {
+    if [ -f "$ahead_pid" ]; then
+        log "$1: waiting for the models made ahead"
+        while [ -f "$ahead_pid" ] && kill -0 "$(cat "$ahead_pid")" 2>/dev/null; do sleep 2; done
+        tail -2 "$out/model-ahead.log" | tee -a "$out/run.log"
+    fi
+}
 
 i=0
 while [ $i -lt ${#phases[@]} ]; do
@@ -155,6 +163,7 @@ while [ $i -lt ${#phases[@]} ]; do
         # issue 11 goal 2: where all-CPU-experts decode stands against the host's read bandwidth:
         # host-bandwidth.c per thread count, then llama-bench tg over threads, pinned vs pageable
         # (repacked) experts and polling on the 30B model (the model phase makes it)
+        wait_ahead cpu-decode
         log "cpu-decode: $(lscpu | grep -E '^(Model name|Socket|Core|Thread|NUMA node\(s\))' | tr -s ' ' | tr '\n' ';')"
         cc -O3 -march=native -fopenmp -o /tmp/host-bandwidth "$repo/benchmarks/gpu/host-bandwidth.c"
         /tmp/host-bandwidth 8 1,2,4,8,12,16 | tee "$out/host-bandwidth.jsonl" | tee -a "$out/run.log"
@@ -186,6 +195,7 @@ while [ $i -lt ${#phases[@]} ]; do
             | tee -a "$out/run.log" || { tail -20 "$out/qsa-ops.err"; failed=1; }
         ;;
     model)
+        wait_ahead model
         mkdir -p "$models"
         # the file name `moecache bench` uses for { synth = "qwen3-30b-a3b", quant = "q4_0" } (it carries the
         # generator's version, so a model of an older generator is never reused)
@@ -204,11 +214,7 @@ while [ $i -lt ${#phases[@]} ]; do
         rm -f "$models"/*.gguf
         ;;
     bench)
-        if [ -f "$ahead_pid" ]; then
-            log "bench: waiting for the model made ahead"
-            while [ -f "$ahead_pid" ] && kill -0 "$(cat "$ahead_pid")" 2>/dev/null; do sleep 2; done
-            tail -2 "$out/model-ahead.log" | tee -a "$out/run.log"
-        fi
+        wait_ahead bench
         scenarios=()
         while [ $i -lt ${#phases[@]} ] && [[ ${phases[$i]} == *.toml ]]; do scenarios+=("${phases[$i]}"); i=$((i + 1)); done
         [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)

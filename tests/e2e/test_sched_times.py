@@ -7,6 +7,7 @@ A hybrid graph of two backends (the layers on an rpc-server on loopback, the exp
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -20,8 +21,6 @@ N_GEN = 8
 
 
 def bench(model, port, **env) -> tuple[list[tuple], list[tuple], list[tuple]]:
-    import os
-
     proc = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(N_GEN), "-r", "1",
                            "-t", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-ot", "exps=CPU", "-v"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
