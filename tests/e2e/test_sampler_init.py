@@ -21,7 +21,7 @@ from moecache.server import ServerProcess
 BASE = ["-t", "2", "-c", "4096", "-ngl", "0", "-np", "1", "-b", "512", "-ub", "128"]
 # real text, then a counted phrase repeated well past every window: the window's oldest token is
 # one of the phrase's words, which are the likely next tokens, so a window one token short changes
-# a frequency penalty that shows in the first step's probabilities
+# a frequency penalty or a DRY match length that shows in the first step's probabilities
 LONG = real_text(1200, 4000) + "\n\n" + " one two three four five six seven eight nine ten," * 60
 # the probabilities after every sampler of the chain over the whole vocabulary (no top-k), and
 # penalties gentle enough that the repeated words stay likely: then one count more or less of any
@@ -32,6 +32,8 @@ PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.02, "presence_penalty
 DRY = {"dry_multiplier": 0.01, "dry_base": 1.01, "dry_allowed_length": 2, "dry_penalty_last_n": 300}
 NO_PENALTIES = {"repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 FULL = {"LLAMA_SAMPLER_INIT_FULL": "1"}
+# the sampler's own ring of accepted tokens at the server's default n_prev (common_params_sampling)
+N_PREV = 64
 
 
 def run(model, env, requests, sampling):
@@ -71,7 +73,7 @@ def test_the_window_samples_as_every_token_does(gemma_model, sampling):
     starts = accepted_from(kept_log)
     assert len(starts) == 3 and all(s > 0 for s in starts), starts
     n_prompt = kept[0]["tokens_evaluated"]
-    window = max(64, sampling.get("repeat_last_n", 64), sampling.get("dry_penalty_last_n", 64))
+    window = max(N_PREV, sampling.get("repeat_last_n", 64), sampling.get("dry_penalty_last_n", 64))
     assert starts[0] == n_prompt - window, (starts, n_prompt, window)
 
 
