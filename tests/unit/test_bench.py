@@ -330,6 +330,7 @@ n_ctx = int(arg("-c", "4096"))
 slots_n = int(arg("--moe-cache-slots", "0"))
 lock = threading.Lock()
 active = [0]
+cached = {}  # slot -> the prompt it caches (requests with cache_prompt and id_slot: those at a depth)
 swap = {"enabled": arg("--prefill-ubatch") is not None, "n_ubatch": int(arg("--prefill-ubatch", "0")),
         "min_tokens": int(arg("--prefill-min-tokens", "0")), "mode": arg("--prefill-swap-mode", "transaction"),
         "warm_restore": "--no-prefill-warm-restore" not in args, "active": False, "swaps": 0,
@@ -362,16 +363,33 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             bos = [2] if body.get("add_special") else []
             self.reply({"tokens": bos + [ord(c) for c in body["content"]]}); return
+        if self.path.startswith("/slots/"):  # the slot-copy patch's endpoint, when FAKE_SLOT_COPY is set
+            src = int(self.path[len("/slots/"):].split("?")[0])
+            if "FAKE_SLOT_COPY" not in os.environ or not self.path.endswith("?action=copy"):
+                self.reply({"error": {"code": 400, "message": "Invalid action", "type": "invalid_request_error"}}, 400)
+                return
+            with lock:
+                for d in body["to"]: cached[d] = list(cached.get(src, []))
+            self.reply({"id_slot": src, "to": body["to"], "n_tokens": len(cached.get(src, [])), "n_checkpoints": 0,
+                        "copy_ms": 0.5}); return
         n = len(body["prompt"]); k = body["n_predict"]
+        cache_n = 0
+        if body["cache_prompt"]:
+            with lock:
+                old = cached.get(body["id_slot"], [])
+                while cache_n < min(len(old), n - 1) and old[cache_n] == body["prompt"][cache_n]: cache_n += 1
+                cached[body["id_slot"]] = body["prompt"]
         with lock: active[0] += 1
         time.sleep(sleep / 2)
         generating = active[0]
         time.sleep(sleep / 2)
         with lock: active[0] -= 1
         with open(os.environ["FAKE_LOG"], "a") as f:
-            f.write(json.dumps({"prompt": body["prompt"], "generating": generating}) + "\n")
-        assert body["temperature"] == 0 and body["cache_prompt"] is False
-        timings = {"prompt_n": n, "cache_n": 0, "prompt_ms": n / 10 * slow, "prompt_per_second": 10000 / slow,
+            f.write(json.dumps({"prompt": body["prompt"], "slot": body.get("id_slot"),
+                                "generating": generating}) + "\n")
+        assert body["temperature"] == 0 and body["cache_prompt"] is ("id_slot" in body)  # caching only at a depth
+        timings = {"prompt_n": n - cache_n, "cache_n": cache_n, "prompt_ms": n / 10 * slow,
+                   "prompt_per_second": 10000 / slow,
                    "predicted_n": k, "predicted_ms": k * 2 * slow, "predicted_per_second": 500 / slow}
         if swap["enabled"]:
             with lock:
@@ -1362,3 +1380,147 @@ def test_depth_cases_get_their_own_tables_and_ratios():
     text = report.render_markdown(run)
     assert "### `code` prompt, 512 tokens\n" in text and "### `code` prompt, 512 tokens at depth 5,000" in text
     assert "The 5,000 cached tokens, prefilled from an empty slot: stock 50.0 t/s; fast 100 t/s." in text
+
+
+# --------------------------------------------------------------------------- depth_fill
+
+
+DEEP = GOOD.replace('lengths = [16, 32]', 'lengths = [16, 32]\ndepths = [300]')
+
+
+def test_depth_fill_defaults_to_prefill_and_accepts_copy(tmp_path):
+    assert load_scenario(write_scenario(tmp_path, DEEP)).depth_fill == "prefill"
+    sc = load_scenario(write_scenario(tmp_path, DEEP.replace('max_tokens = 8', 'max_tokens = 8\ndepth_fill = "copy"')))
+    assert sc.depth_fill == "copy"
+
+
+@pytest.mark.parametrize("value", ['"clone"', '"Copy"', '1', 'true'])
+def test_bad_depth_fill_is_a_clear_error(tmp_path, value):
+    path = write_scenario(tmp_path, DEEP.replace('max_tokens = 8', f'max_tokens = 8\ndepth_fill = {value}'))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert "depth_fill must be one of 'prefill', 'copy'" in str(e.value)
+    assert 'Fix: depth_fill = "copy"' in str(e.value) and str(path) in str(e.value)
+
+
+class FillServer:
+    """A server object that records fill_depth's POSTs: completions fill a slot, a copy answers `copy`."""
+
+    def __init__(self, copy=None):
+        self.posts: list[tuple[str, dict]] = []
+        self.copy = copy or (lambda body: (200, {"id_slot": 0, "to": body["to"], "n_tokens": 300,
+                                                 "n_checkpoints": 2, "copy_ms": 1.5}))
+
+    def post(self, path, body, timeout=600.0):
+        self.posts.append((path, body))
+        if path == "/completion":
+            return 200, {"timings": {"prompt_n": len(body["prompt"]), "prompt_ms": 10.0,
+                                     "prompt_per_second": 30000.0}}
+        return self.copy(body)
+
+
+def test_fill_depth_prefills_every_slot_by_default():
+    srv = FillServer()
+    fill = runner.fill_depth(srv, [7] * 300, 3, True)
+    assert [(p, b["id_slot"], b["cache_prompt"], len(b["prompt"])) for p, b in srv.posts] == \
+        [("/completion", slot, True, 300) for slot in range(3)]
+    assert fill == {"tokens": 300, "prompt_n": 300, "prompt_ms": 10.0, "prefill_tps": 30000.0, "slots": 3,
+                    "fill": "prefill"}
+
+
+def test_fill_depth_copy_prefills_slot_0_and_copies_it_to_the_others():
+    srv = FillServer()
+    fill = runner.fill_depth(srv, [7] * 300, 5, True, mode="copy")
+    assert [p for p, _ in srv.posts] == ["/completion", "/slots/0?action=copy"]
+    assert srv.posts[0][1]["id_slot"] == 0 and srv.posts[0][1]["prompt"] == [7] * 300
+    assert srv.posts[1][1] == {"to": [1, 2, 3, 4]}
+    assert (fill["slots"], fill["fill"], fill["n_checkpoints"], fill["prefill_tps"]) == (5, "copy", 2, 30000.0)
+    assert isinstance(fill["copy_ms"], float) and fill["copy_ms"] >= 0  # the client's wall time, not the server's
+
+
+def test_fill_depth_copy_with_one_slot_copies_nothing():
+    srv = FillServer()
+    fill = runner.fill_depth(srv, [7] * 300, 1, True, mode="copy")
+    assert [p for p, _ in srv.posts] == ["/completion"]
+    assert "copy_ms" not in fill and fill["fill"] == "copy"
+
+
+@pytest.mark.parametrize("answer,message", [
+    ((409, {"error": {"code": 409, "message": "slot 2 is busy", "type": "unavailable_error"}}), "slot 2 is busy"),
+    ((400, {"error": {"code": 400, "message": "Invalid action", "type": "invalid_request_error"}}), "Invalid action"),
+    ((404, "File Not Found"), "File Not Found"),
+    ((200, {"id_slot": 0, "n_tokens": 300}), "(HTTP 200)"),  # no "to": not the slot-copy endpoint's answer
+    ((200, {"id_slot": 0, "to": [1, 2], "n_tokens": 12, "n_checkpoints": 0}), "copied 12 tokens, not the 300"),
+])
+def test_a_failed_copy_names_the_servers_message_and_the_fix(answer, message):
+    srv = FillServer(copy=lambda body: answer)
+    with pytest.raises(runner.BenchError) as e:
+        runner.fill_depth(srv, [7] * 300, 3, True, mode="copy")
+    assert message in str(e.value)
+    assert 'the server needs the slot-copy patch; or set depth_fill = "prefill"' in str(e.value)
+
+
+def copy_fill_run(depth_fill: str) -> dict:
+    run = fake_run()
+    run["scenario"]["depth_fill"] = depth_fill
+    fill = {"tokens": 5000, "prefill_tps": 50.0, "slots": 5, "fill": depth_fill}
+    if depth_fill == "copy":
+        fill.update(copy_ms=12.34, n_checkpoints=2)
+    run["results"] = [{"arm": "stock", "prompt": "code", "length": 512, "depth": 5000, "users": 1,
+                       "prefill_tps": stats.summarize([100.0]), "depth_fill": fill}]
+    return run
+
+
+def test_report_says_how_the_other_slots_got_the_depth():
+    text = report.render_markdown(copy_fill_run("copy"))
+    assert ("The 5,000 cached tokens, prefilled from an empty slot: stock 50.0 t/s in slot 0, then slots 1–4 "
+            "got slot 0's cache copied (12.3 ms).") in text
+    assert "warmup 1, ignore_eos true, depth_fill copy)" in text
+    text = report.render_markdown(copy_fill_run("prefill"))
+    assert "The 5,000 cached tokens, prefilled from an empty slot: stock 50.0 t/s." in text
+    assert "depth_fill" not in text
+
+
+DEEP_USERS = DEEP.replace('["-c", "512"]', '["-c", "512", "-np", "3"]').replace(
+    'repetitions = 3', 'repetitions = 1\nusers = [1, 3]\nttft = false')
+
+
+def _fills(log: Path) -> list:
+    """The slots that a request of exactly the depth's 300 tokens filled (fill_depth's), in order."""
+    return [c["slot"] for c in map(json.loads, log.read_text().splitlines())
+            if "prompt" in c and len(c["prompt"]) == 300]
+
+
+def test_runner_fills_every_slot_or_copies_slot_0(tmp_path, fake_server_bin, capsys, monkeypatch):
+    out = tmp_path / "results"
+    path = write_scenario(tmp_path, DEEP_USERS)
+    assert bench.main([str(path), "--out", str(out), "--arms", "base"]) == 0
+    assert _fills(fake_server_bin) == [0, 1, 2] * 2  # every slot prefilled, for each length
+    fake_server_bin.write_text("")
+
+    monkeypatch.setenv("FAKE_SLOT_COPY", "1")
+    path = write_scenario(tmp_path, DEEP_USERS.replace('users = [1, 3]', 'users = [1, 3]\ndepth_fill = "copy"'),
+                          name="copy.toml")
+    assert bench.main([str(path), "--out", str(out), "--arms", "base"]) == 0
+    assert _fills(fake_server_bin) == [0, 0]  # slot 0 only; slots 1 and 2 got it copied (their cache_n is 300)
+    [js] = list(out.glob("*-t-2.json"))
+    data = json.loads(js.read_text())
+    assert data["scenario"]["depth_fill"] == "copy"
+    fill = data["results"][0]["depth_fill"]
+    assert (fill["fill"], fill["slots"], fill["n_checkpoints"]) == ("copy", 3, 0) and fill["copy_ms"] > 0
+    assert all(min(per_request_cache_n(r)) >= 300 for r in data["results"])
+    md = js.with_suffix(".md").read_text()
+    assert "then slots 1–2 got slot 0's cache copied (" in md and ", depth_fill copy)" in md
+    assert "the others copied from it in" in capsys.readouterr().err
+
+
+def per_request_cache_n(row: dict) -> list:
+    return runner.per_request(row["samples"], "cache_n")
+
+
+def test_runner_without_the_slot_copy_patch_fails_the_depth_with_the_fix(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, DEEP_USERS.replace('users = [1, 3]', 'users = [1, 3]\ndepth_fill = "copy"'))
+    assert bench.main([str(path), "--out", str(tmp_path / "results"), "--arms", "base"]) == 1
+    err = capsys.readouterr().err
+    assert "(HTTP 400): Invalid action. Fix: the server needs the slot-copy patch; or set depth_fill" in err
+    assert _fills(fake_server_bin) == [0, 0]  # it never fell back to prefilling the other slots

@@ -314,6 +314,15 @@ def _ballast_short(a: dict) -> str:
         + (" (warning)" if b.get("warning") else "")
 
 
+def _copy_note(fill: dict) -> str:
+    """How a depth fill's other slots got the tokens when slot 0's cache was copied to them ("" otherwise)."""
+    n = fill.get("slots") or 1
+    if fill.get("fill") != "copy" or n < 2:
+        return ""
+    others = "slot 1" if n == 2 else f"slots 1–{n - 1}"
+    return f" in slot 0, then {others} got slot 0's cache copied ({_fmt_ms(fill.get('copy_ms'))} ms)"
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
     levels = sc.get("users") or sorted({r.get("users", 1) for r in run["results"]})
@@ -332,7 +341,8 @@ def render_markdown(run: dict) -> str:
         "",
         f"- scenario: `{sc['file']}` (max_tokens {sc['max_tokens']}, repetitions {sc['repetitions']}, "
         f"warmup {sc['warmup']}, ignore_eos {str(sc['ignore_eos']).lower()}"
-        + (f", users {', '.join(map(str, levels))}" if concurrent else "") + ")",
+        + (f", users {', '.join(map(str, levels))}" if concurrent else "")
+        + (", depth_fill copy" if sc.get("depth_fill") == "copy" else "") + ")",
         f"- moecache commit: `{run['moecache_commit']}`; llama.cpp pin: `{run['llama_cpp_commit']}`",
         f"- hardware: {hw.get('cpu')} ({hw.get('cores')} logical cores), RAM {_fmt_bytes(hw.get('ram_bytes'))}; "
         f"GPUs: {gpus}",
@@ -476,7 +486,7 @@ def render_markdown(run: dict) -> str:
             for r in rows:
                 f = r.get("depth_fill") or {}
                 if r.get("users", 1) == min(x.get("users", 1) for x in rows) and f:
-                    fills.append(f"{_md_cell(r['arm'])} {_fmt_num(f.get('prefill_tps'))} t/s")
+                    fills.append(f"{_md_cell(r['arm'])} {_fmt_num(f.get('prefill_tps'))} t/s{_copy_note(f)}")
             if fills:
                 lines += [f"The {depth:,} cached tokens, prefilled from an empty slot: " + "; ".join(fills) + ".", ""]
     if swapped:

@@ -361,20 +361,58 @@ def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeou
         conn.close()
 
 
-def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: bool) -> dict:
-    """Cache `prefix` in slots 0..n_slots-1 (one after the other, each from empty); the first fill's
-    prefill rate is the prefill of the whole depth from an empty slot."""
+def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: bool,
+               mode: str = "prefill") -> dict:
+    """Cache `prefix` in slots 0..n_slots-1. "prefill": each slot prefills it, one after the other,
+    from empty; "copy": slot 0 does, then one request copies its cache to the others (the server's
+    slot-copy patch). The first fill's prefill rate is the prefill of the whole depth from an empty
+    slot; with a copy, the copy's wall ms and the server's checkpoint count are recorded too."""
+    copies = mode == "copy" and n_slots > 1
     first = None
-    for slot in range(n_slots):
-        status, body = srv.post("/completion", _request_body(prefix, 1, ignore_eos, stream=False, depth=len(prefix),
-                                                             slot=slot), timeout=3600)
-        if status != 200 or not isinstance(body, dict) or "timings" not in body:
-            raise BenchError(f"filling slot {slot} with {len(prefix)} tokens failed (HTTP {status}): {str(body)[:500]}")
+    for slot in range(1 if copies else n_slots):
+        t = prefill_slot(srv, prefix, slot, ignore_eos)
         if first is None:
-            t = body["timings"]
             first = {"tokens": len(prefix), "prompt_n": t.get("prompt_n"), "prompt_ms": t.get("prompt_ms"),
                      "prefill_tps": t.get("prompt_per_second")}
-    return {**(first or {}), "slots": n_slots}
+    fill = {**(first or {}), "slots": n_slots, "fill": mode}
+    if copies:
+        fill.update(copy_slot(srv, 0, list(range(1, n_slots)), len(prefix)))
+    return fill
+
+
+def prefill_slot(srv: ServerProcess, prefix: list[int], slot: int, ignore_eos: bool) -> dict:
+    """Prefill `prefix` into `slot` (prompt caching on, one token decoded); the server's timings."""
+    status, body = srv.post("/completion", _request_body(prefix, 1, ignore_eos, stream=False, depth=len(prefix),
+                                                         slot=slot), timeout=3600)
+    if status != 200 or not isinstance(body, dict) or "timings" not in body:
+        raise BenchError(f"filling slot {slot} with {len(prefix)} tokens failed (HTTP {status}): {str(body)[:500]}")
+    return body["timings"]
+
+
+def server_message(body: object) -> str:
+    """The message of a llama-server error answer ({"error": {"message": ...}}), else the body itself."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    return str(body)[:500]
+
+
+def copy_slot(srv: ServerProcess, src: int, to: list[int], n_tokens: int) -> dict:
+    """Copy idle slot `src`'s cached prompt (its KV or recurrent state, tokens and context checkpoints)
+    to the idle slots `to` with POST /slots/{src}?action=copy; the copy must hold at least `n_tokens`.
+    Returns the client's wall ms of the request and the server's checkpoint count."""
+    t0 = time.perf_counter()
+    status, body = srv.post(f"/slots/{src}?action=copy", {"to": to}, timeout=3600)
+    copy_ms = (time.perf_counter() - t0) * 1000.0
+    fix = "Fix: the server needs the slot-copy patch; or set depth_fill = \"prefill\""
+    if status != 200 or not isinstance(body, dict) or "to" not in body:
+        raise BenchError(f"copying slot {src}'s {n_tokens} cached tokens to slots {to} failed (HTTP {status}): "
+                         f"{server_message(body)}. {fix}")
+    copied = body.get("n_tokens")
+    if not isinstance(copied, int) or isinstance(copied, bool) or copied < n_tokens:
+        raise BenchError(f"copying slot {src} to slots {to} copied {copied!r} tokens, not the {n_tokens} of the "
+                         f"depth (is slot {src} still holding them?). {fix}")
+    return {"copy_ms": copy_ms, "n_checkpoints": body.get("n_checkpoints")}
 
 
 def case_row(arm: str, ps: PromptSet, length: int | None, depth: int, users: int, **extra) -> dict:
@@ -688,7 +726,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             "name": sc.name, "description": sc.description, "file": display_path(sc.path),
             "max_tokens": sc.max_tokens, "repetitions": sc.repetitions, "warmup": sc.warmup,
             "users": sc.users, "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args,
-            "env": sc.env, "vram_budget_gib": sc.vram_budget_gib,
+            "env": sc.env, "vram_budget_gib": sc.vram_budget_gib, "depth_fill": sc.depth_fill,
             "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths,
                          **({"template": p.template} if p.template is not None else {})}
                         for p in sc.prompts],
@@ -733,6 +771,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
         for ps, n, d in cases:
             tpl = f" in the template {ps.template!r}" if ps.template is not None else ""
             at = f" after {d} cached tokens" if d else ""
+            if d and sc.depth_fill == "copy" and max(sc.users) > 1:
+                at += " (prefilled in slot 0, copied to the other slots)"
             say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'}{at} from "
                 f"{', '.join(f.name for f in ps.files)}{tpl}")
         say("dry run: nothing started.")
@@ -815,9 +855,11 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                 f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
                                 f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
                         if depth:
-                            fill = fill_depth(srv, deep.prefix, max(sc.users), sc.ignore_eos)
+                            fill = fill_depth(srv, deep.prefix, max(sc.users), sc.ignore_eos, sc.depth_fill)
+                            copied = (f", the others copied from it in {_fmt(fill['copy_ms'], ' ms')}"
+                                      if "copy_ms" in fill else "")
                             say(f"  {ps.name} depth {depth}: cached in {fill['slots']} slot(s), the first at "
-                                f"{_fmt(fill.get('prefill_tps'))} t/s from empty")
+                                f"{_fmt(fill.get('prefill_tps'))} t/s from empty{copied}")
                             for row in rows:
                                 row["depth_fill"] = fill
                         for _ in range(sc.warmup):

