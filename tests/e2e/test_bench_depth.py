@@ -63,3 +63,24 @@ def test_bench_at_a_depth_reuses_the_cached_tokens(tmp_path, tiny_model, llama_s
     md = next(out.glob("*-depth.md")).read_text()
     assert "### `prose` prompt, 32 tokens at depth 400" in md
     assert "The 400 cached tokens, prefilled from an empty slot: stock" in md
+
+
+def test_bench_copies_a_depth_to_the_other_slots(tmp_path, tiny_model, llama_server_bin, subprocess_env):
+    # depth_fill = "copy": slot 0 prefills the depth, the server's slot copy (patch 0038) fills slot 1,
+    # and both users' requests reuse it
+    text = SCENARIO.split("[[arms]]")[0].replace("depths = [0, 400]", "depths = [400]").replace(
+        "users = [1, 2]", "users = [2]\ndepth_fill = \"copy\"")
+    scenario = tmp_path / "copy.toml"
+    scenario.write_text(textwrap.dedent(text.format(prompts=(REPO / "benchmarks" / "prompts").as_posix()))
+                        + "[[arms]]\nname = \"stock\"\nbaseline = true\nargs = []\n")
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "moecache", "bench", str(scenario), "--out", str(out)],
+                       env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(next(out.glob("*-depth.json")).read_text())["results"]
+    assert not row.get("error"), row
+    reqs = [q for s in row["samples"] for q in s["requests"]]
+    assert len(reqs) == 4 and all(q["cache_n"] >= 400 for q in reqs), [q["cache_n"] for q in reqs]
+    fill = row["depth_fill"]
+    assert fill["fill"] == "copy" and fill["slots"] == 2 and fill["copy_ms"] > 0, fill
+    assert "then slot 1 got slot 0's cache copied" in next(out.glob("*-depth.md")).read_text()

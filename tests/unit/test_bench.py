@@ -370,7 +370,7 @@ class H(BaseHTTPRequestHandler):
                 return
             with lock:
                 for d in body["to"]: cached[d] = list(cached.get(src, []))
-            self.reply({"id_slot": src, "to": body["to"], "n_tokens": len(cached.get(src, [])), "n_checkpoints": 0,
+            self.reply({"id_slot": src, "to": body["to"], "n_copied": len(cached.get(src, [])), "n_checkpoints": 0,
                         "copy_ms": 0.5}); return
         n = len(body["prompt"]); k = body["n_predict"]
         cache_n = 0
@@ -1408,7 +1408,7 @@ class FillServer:
 
     def __init__(self, copy=None):
         self.posts: list[tuple[str, dict]] = []
-        self.copy = copy or (lambda body: (200, {"id_slot": 0, "to": body["to"], "n_tokens": 300,
+        self.copy = copy or (lambda body: (200, {"id_slot": 0, "to": body["to"], "n_copied": 300,
                                                  "n_checkpoints": 2, "copy_ms": 1.5}))
 
     def post(self, path, body, timeout=600.0):
@@ -1449,8 +1449,8 @@ def test_fill_depth_copy_with_one_slot_copies_nothing():
     ((409, {"error": {"code": 409, "message": "slot 2 is busy", "type": "unavailable_error"}}), "slot 2 is busy"),
     ((400, {"error": {"code": 400, "message": "Invalid action", "type": "invalid_request_error"}}), "Invalid action"),
     ((404, "File Not Found"), "File Not Found"),
-    ((200, {"id_slot": 0, "n_tokens": 300}), "(HTTP 200)"),  # no "to": not the slot-copy endpoint's answer
-    ((200, {"id_slot": 0, "to": [1, 2], "n_tokens": 12, "n_checkpoints": 0}), "copied 12 tokens, not the 300"),
+    ((200, {"id_slot": 0, "n_copied": 300}), "(HTTP 200)"),  # no "to": not the slot-copy endpoint's answer
+    ((200, {"id_slot": 0, "to": [1, 2], "n_copied": 12, "n_checkpoints": 0}), "copied 12 tokens, not the 300"),
 ])
 def test_a_failed_copy_names_the_servers_message_and_the_fix(answer, message):
     srv = FillServer(copy=lambda body: answer)

@@ -408,7 +408,7 @@ def copy_slot(srv: ServerProcess, src: int, to: list[int], n_tokens: int) -> dic
     if status != 200 or not isinstance(body, dict) or "to" not in body:
         raise BenchError(f"copying slot {src}'s {n_tokens} cached tokens to slots {to} failed (HTTP {status}): "
                          f"{server_message(body)}. {fix}")
-    copied = body.get("n_tokens")
+    copied = body.get("n_copied")
     if not isinstance(copied, int) or isinstance(copied, bool) or copied < n_tokens:
         raise BenchError(f"copying slot {src} to slots {to} copied {copied!r} tokens, not the {n_tokens} of the "
                          f"depth (is slot {src} still holding them?). {fix}")
