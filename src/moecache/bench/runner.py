@@ -365,7 +365,7 @@ def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: 
                mode: str = "prefill") -> dict:
     """Cache `prefix` in slots 0..n_slots-1. "prefill": each slot prefills it, one after the other,
     from empty; "copy": slot 0 does, then one request copies its cache to the others (the server's
-    slot-copy patch). The first fill's prefill rate is the prefill of the whole depth from an empty
+    slot-copy patch 0038). The first fill's prefill rate is the prefill of the whole depth from an empty
     slot; with a copy, the copy's wall ms and the server's checkpoint count are recorded too."""
     copies = mode == "copy" and n_slots > 1
     first = None
@@ -404,7 +404,7 @@ def copy_slot(srv: ServerProcess, src: int, to: list[int], n_tokens: int) -> dic
     t0 = time.perf_counter()
     status, body = srv.post(f"/slots/{src}?action=copy", {"to": to}, timeout=3600)
     copy_ms = (time.perf_counter() - t0) * 1000.0
-    fix = "Fix: the server needs the slot-copy patch; or set depth_fill = \"prefill\""
+    fix = "Fix: the server needs the slot-copy patch 0038; or set depth_fill = \"prefill\""
     if status != 200 or not isinstance(body, dict) or "to" not in body:
         raise BenchError(f"copying slot {src}'s {n_tokens} cached tokens to slots {to} failed (HTTP {status}): "
                          f"{server_message(body)}. {fix}")
