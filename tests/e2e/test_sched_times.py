@@ -3,6 +3,9 @@ copies apart, and the host's time between graphs, when it is freed (1) or every 
 A hybrid graph of two backends (the layers on an rpc-server on loopback, the experts on the CPU:
 `-ot exps=CPU`) must report both, with the splits they ran, and the context its host steps per ubatch
 (each input by type); without the variable nothing is reported.
+GGML_SCHED_OP_TIMES=N (patch 0040) times every node on its own, by backend, op, name without the layer's
+number and shape, every N graphs: the entries must name the layers' ops once with a count per layer, fit
+in the backend's compute time, and leave the output as it was.
 """
 
 from __future__ import annotations
@@ -16,24 +19,32 @@ from moecache.paths import binary
 TIMES = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
                    r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
 STEPS = re.compile(r"llama_host_times: ubatches=(\d+) decode_ms=([\d.]+) .* compute_ms=([\d.]+) .* inputs: (.*)")
+OP_HEAD = re.compile(r"ggml_sched_op_times: backend=(\S+) graphs=(\d+) first=(\S+) entries=(\d+) ms_per_graph=([\d.]+)")
+OP_ROW = re.compile(r"ggml_sched_op_times: backend=(\S+) op=(.+) ms_per_graph=([\d.]+) n_per_graph=([\d.]+)")
 HOST = re.compile(r"ggml_sched_times: host graphs=(\d+) gaps=(\d+) gap_ms_per_graph=([\d.]+)")
 N_GEN = 8
 
 
-def bench(model, port, **env) -> tuple[list[tuple], list[tuple], list[tuple]]:
+def run_bench(model, port, **env) -> str:
     proc = subprocess.run([str(binary("llama-bench")), "-m", str(model), "-p", "0", "-n", str(N_GEN), "-r", "1",
                            "-t", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}", "-ot", "exps=CPU", "-v"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return TIMES.findall(proc.stderr), HOST.findall(proc.stderr), STEPS.findall(proc.stderr)
+    return proc.stderr
+
+
+def bench(model, port, **env) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    log = run_bench(model, port, **env)
+    return TIMES.findall(log), HOST.findall(log), STEPS.findall(log)
 
 
 def test_each_backend_reports_its_splits(tiny_model, rpc_servers):
     [port] = rpc_servers(1)
     timed, host, steps = bench(tiny_model, port, GGML_SCHED_TIMES="1")
     every, every_host, every_steps = bench(tiny_model, port, GGML_SCHED_TIMES="4")
-    untimed = bench(tiny_model, port)
-    assert untimed == ([], [], [])
+    untimed = run_bench(tiny_model, port)
+    assert "ggml_sched_times" not in untimed and "llama_host_times" not in untimed
+    assert "ggml_sched_op_times" not in untimed
     # the context's host steps (patch 0034): one line at free, the inputs by type, decode >= compute
     [(ubatches, decode_ms, compute_ms, inputs)] = steps
     assert int(ubatches) == N_GEN + 1
@@ -55,3 +66,46 @@ def test_each_backend_reports_its_splits(tiny_model, rpc_servers):
     # every 4 graphs, then the rest at free: 4 + 4 + 1 per backend
     assert [int(g) for g, _, _ in every_host] == [4, 4, 1]
     assert sorted(int(g) for _, g, _, _, _ in every) == [1, 1, 4, 4, 4, 4]
+
+
+def test_op_times_rank_each_backends_nodes(tiny_model, rpc_servers):
+    [port] = rpc_servers(1)
+    log = run_bench(tiny_model, port, GGML_SCHED_TIMES="1", GGML_SCHED_OP_TIMES="3")
+    n_layer = 4  # the tiny preset
+    heads = OP_HEAD.findall(log)
+    device = f"RPC0[127.0.0.1:{port}]"
+    # the warm-up token and the timed ones, every 3 graphs, per backend
+    for name in ("CPU", device):
+        assert [int(g) for b, g, *_ in heads if b == name] == [3, 3, 3], heads
+    # the first node of each window: the token embeddings of one token
+    assert {first for *_, first, _, _ in heads} == {"embd[64,1]"}, heads
+    # the nodes ran inside the backend's compute, timed around them
+    compute = {b: float(c) * int(g) for b, g, _, c, _ in TIMES.findall(log)}
+    for name in ("CPU", device):
+        op_ms = sum(float(ms) * int(g) for b, g, _, _, ms in heads if b == name)
+        assert 0 < op_ms <= compute[name] + 0.01, (name, op_ms, compute[name])
+    rows = OP_ROW.findall(log)
+    by_name = {}
+    for backend, op, ms, n in rows:
+        by_name.setdefault((backend, op), []).append((float(ms), float(n)))
+    # the experts are on the CPU: one entry per expert op for every layer, the layer numbers dropped
+    for proj in ("gate", "up", "down"):
+        [entry] = [k for k in by_name if k[0] == "CPU" and k[1].startswith(f"MUL_MAT_ID ffn_moe_{proj} [")]
+        assert [n for _, n in by_name[entry]] == [n_layer] * 3, by_name[entry]
+    assert any(b == device and op.startswith("MUL_MAT Qcur [") for b, op in by_name)
+    assert not any(re.search(r"-\d+ \[", op) for _, op in by_name), sorted(by_name)
+
+
+def test_op_times_leave_the_output_as_it_was(tiny_model):
+    from moe_cache_checks import PROMPTS, complete, logprobs
+    from moecache.server import ServerProcess
+
+    def run(env):
+        with ServerProcess(tiny_model, args=["-t", "2", "-c", "1024", "-ngl", "0", "-lv", "4"], env=env) as srv:
+            return [complete(srv, p, n_predict=16) for p in PROMPTS[:2]], srv.log_text()
+
+    ref, _ = run({})
+    out, log = run({"GGML_SCHED_OP_TIMES": "1"})
+    assert OP_HEAD.search(log), log[-2000:]
+    assert [o["tokens"] for o in out] == [o["tokens"] for o in ref]
+    assert [logprobs(o) for o in out] == [logprobs(o) for o in ref]
