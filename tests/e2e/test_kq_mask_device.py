@@ -6,7 +6,8 @@ and the graph computes log(step(p_token - p_cell + 0.5)): 0 or -inf, the host ma
 the output is the stock output bit for bit: qwen3moe (plain KV cache), qwen4exp (hybrid memory, QSA
 reads the mask too, with and without --qsa-sparse, and its per-block bias is built on the device as
 well), flash attention on (f16 mask) and off (f32), several streams. The graph's node and
-input-tensor counts in the start-up log show the path ran.
+input-tensor counts in the start-up log show the path ran. qwen4exp has M-RoPE, so every ubatch has 2D
+positions; its text ubatches compare positions alone (patch 0041).
 """
 
 from __future__ import annotations
@@ -96,3 +97,20 @@ def test_the_variable_turns_it_on(tiny_model):
         complete(srv, PROMPTS[0], n_predict=4)
         graph = GRAPH.search(srv.log_text()).groups()
     assert graph != ref_graph
+
+
+def test_a_text_ubatch_of_an_mrope_model_compares_positions_alone(qwen4exp):
+    """The (y, x) comparison at equal positions is for embedding ubatches (an image's tokens share a
+    position); a text token is (p, p, p) and starts after every cached cell of its sequence, so its mask
+    is the 1D one: every node timed (GGML_SCHED_OP_TIMES) shows the mask's log but none of the 2D
+    comparison's abs, and the output is the host mask's bit for bit."""
+    args = ["-fa", "on", "-np", "1", "-ub", "16"]
+    ref, _ = run(qwen4exp, args, [LONG[:1500]])
+    with ServerProcess(qwen4exp, args=BASE + args + ["--kq-mask-device"], env={"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"},
+                       timeout=300) as srv:
+        out = [complete(srv, LONG[:1500], n_predict=24)]
+        ops = set(re.findall(r"ggml_sched_op_times: backend=CPU op=(\S+) \S+ (\[[\d,]+\])", srv.log_text()))
+    same(ref, out)
+    masks = {shape for op, shape in ops if op == "LOG"}  # log(visible): the device mask ran
+    assert masks, sorted(ops)
+    assert not {shape for op, shape in ops if op == "ABS"} & masks, sorted(ops)

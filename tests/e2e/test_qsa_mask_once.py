@@ -1,0 +1,58 @@
+"""QSA's indexer reads the KQ mask in f32 (patch 0042): one f32 mask for every QSA layer of a graph, the
+device-built mask's own f32 values with --kq-mask-device (they are 0 or -inf, exact in f16), one cast of
+the host's f16 mask otherwise, where the pin cast it once per QSA layer. A qwen4exp of 8 layers has two
+QSA layers: every node timed (GGML_SCHED_OP_TIMES) shows how many casts each graph runs, and the output
+of both paths is the host mask's bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+import pytest
+
+from moe_cache_checks import complete, logprobs, real_text
+from moecache.server import ServerProcess
+
+BASE = ["-t", "2", "-c", "2048", "-ngl", "0", "-b", "256", "-ub", "64", "-lv", "4", "-fa", "on", "-np", "1"]
+CAST = re.compile(r"ggml_sched_op_times: backend=CPU op=CPY attn_inp_kq_mask \(copy\) \[[\d,]+\] "
+                  r"ms_per_graph=[\d.]+ n_per_graph=([\d.]+)")
+HEAD = re.compile(r"ggml_sched_op_times: backend=CPU graphs=1 ")
+TEXT = real_text(1200, 2000)
+
+
+@pytest.fixture(scope="module")
+def two_qsa_layers(moecache_cache_dir):
+    from moecache import synth
+
+    preset = replace(synth.PRESETS["tiny-qwen4exp"], name="tiny-qwen4exp-8l", n_layer=8)  # QSA on layers 3, 7
+    path = moecache_cache_dir / "models" / synth.cached_model_name(preset.name, seed=0)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        synth.write_model(path, preset=preset, seed=0, progress=False, threads=2)
+    return path
+
+
+def run(model, extra, env=None):
+    with ServerProcess(model, args=BASE + extra, env=env or {}, timeout=300) as srv:
+        out = complete(srv, TEXT, n_predict=16)
+        log = srv.log_text()
+    return out, log
+
+
+def test_one_mask_for_every_qsa_layer(two_qsa_layers):
+    timed = {"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"}
+    ref, _ = run(two_qsa_layers, [])
+    host, host_log = run(two_qsa_layers, [], timed)
+    dev, dev_log = run(two_qsa_layers, ["--kq-mask-device"], timed)
+    for out in (host, dev):
+        assert out["tokens"] == ref["tokens"]
+        assert logprobs(out) == logprobs(ref)  # exact
+    graphs = len(HEAD.findall(host_log))
+    assert graphs > 16  # the prompt's ubatches and the decode steps, each its own report
+    # the host's f16 mask: one cast per graph for both QSA layers
+    assert [float(n) for n in CAST.findall(host_log)] == [1.0] * graphs
+    # the device's mask: its f32 values before the f16 cast, no cast back
+    assert len(HEAD.findall(dev_log)) == graphs
+    assert CAST.findall(dev_log) == []
