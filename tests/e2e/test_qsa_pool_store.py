@@ -11,6 +11,7 @@ and five sessions at once.
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import pytest
 
@@ -70,3 +71,30 @@ def test_a_store_that_cannot_be_allocated_leaves_the_pins_pooling(qwen4exp, text
     assert USED not in log and "QSA pooled-key store:" not in log
     for a, b in zip(pin, failed):
         assert a["tokens"] == b["tokens"] and logprobs(a) == logprobs(b)
+
+
+def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp, text):
+    """The server removes a slot's cells past its end before every batch of a prompt (patch 0044): a range
+    that holds none of them changes no cell, so the store stays and each ubatch gathers the members of its
+    new blocks only (GGML_SCHED_OP_TIMES names the gather: `qsa_pool_members`, r cells for each of
+    pool_cap blocks), where every batch's first ubatch used to gather every block's. The output is the pin's bit for bit."""
+    args = ["-t", "2", "-c", "8192", "-np", "1", "-ngl", "0", "-fa", "on", "-b", "128", "-ub", "64", "-lv", "4"]
+    timed = {"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"}
+    prompt = text[:6000]
+    with ServerProcess(qwen4exp, args=args, env=timed, timeout=300) as srv:
+        out = complete(srv, prompt, n_predict=8)
+        log = srv.log_text()
+    with ServerProcess(qwen4exp, args=args, env={"LLAMA_QSA_POOL_STORE": "0"}, timeout=300) as srv:
+        ref = complete(srv, prompt, n_predict=8)
+    assert out["tokens"] == ref["tokens"] and logprobs(out) == logprobs(ref)
+    cap_rows = 4 * (64 // 4 + 2)  # r cells for each of pool_cap = n_tps/r + 2 blocks
+    first, gathers = None, []
+    for line in log.splitlines():
+        if m := re.search(r"ggml_sched_op_times: backend=CPU graphs=1 first=\S+\[\d+,(\d+)\]", line):
+            first = int(m.group(1))
+        elif m := re.search(r"op=GET_ROWS qsa_pool_members \[\d+,(\d+),", line):
+            if first == 64:
+                gathers.append(int(m.group(1)))
+    assert len(gathers) > 20, gathers  # the prompt's full ubatches, two per batch
+    # each ubatch of 64 tokens completes at most 16 blocks: it gathers the members of pool_cap blocks
+    assert gathers == [cap_rows] * len(gathers), gathers
