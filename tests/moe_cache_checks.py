@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 PROMPTS = [
@@ -48,3 +49,27 @@ def cache_stats(srv):
     status, body = srv.get("/moe-cache")
     assert status == 200, body
     return body if isinstance(body, dict) else json.loads(body)
+
+
+_OP_HEAD = re.compile(r"ggml_sched_op_times: backend=(\S+) graphs=(\d+) first=(\S*)\[(-?\d+),(-?\d+)\] entries=\d+ "
+                      r"ms_per_graph=([\d.]+)")
+_OP_ROW = re.compile(r"ggml_sched_op_times: backend=(\S+) op=(.+) ms_per_graph=([\d.]+) n_per_graph=([\d.]+)")
+
+
+def op_time_reports(log: str) -> list[dict]:
+    """GGML_SCHED_OP_TIMES's reports (patch 0040) in a log, in order: one dict per backend and window with
+    backend, graphs, first (the first node's name), tokens (its ne1: a ubatch's tokens), ms per graph and
+    rows {"OP name [ne0,ne1,ne2,ne3]": (ms per graph, count per graph)}."""
+    reports = []
+    for line in log.splitlines():
+        if m := _OP_HEAD.search(line):
+            reports.append({"backend": m[1], "graphs": int(m[2]), "first": m[3], "tokens": int(m[5]),
+                            "ms": float(m[6]), "rows": {}})
+        elif (m := _OP_ROW.search(line)) and reports and reports[-1]["backend"] == m[1]:
+            reports[-1]["rows"][m[2]] = (float(m[3]), float(m[4]))
+    return reports
+
+
+def op_shape(entry: str) -> list[int]:
+    """The shape at the end of an op-times entry ("GET_ROWS node [32,520,1,1]")."""
+    return [int(x) for x in entry.rsplit("[", 1)[1].rstrip("]").split(",")]

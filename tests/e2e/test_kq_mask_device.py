@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, logprobs, real_text
+from moe_cache_checks import PROMPTS, complete, logprobs, op_shape, op_time_reports, real_text
 from moecache.server import ServerProcess
 
 BASE = ["-t", "2", "-c", "2048", "-ngl", "0", "-b", "256", "-ub", "64", "-lv", "4"]
@@ -109,8 +109,9 @@ def test_a_text_ubatch_of_an_mrope_model_compares_positions_alone(qwen4exp):
     with ServerProcess(qwen4exp, args=BASE + args + ["--kq-mask-device"], env={"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"},
                        timeout=300) as srv:
         out = [complete(srv, LONG[:1500], n_predict=24)]
-        ops = set(re.findall(r"ggml_sched_op_times: backend=CPU op=(\S+) \S+ (\[[\d,]+\])", srv.log_text()))
+        entries = {e for r in op_time_reports(srv.log_text()) if r["backend"] == "CPU" for e in r["rows"]}
     same(ref, out)
+    ops = {(e.split()[0], tuple(op_shape(e))) for e in entries if e[0] != "("}
     masks = {shape for op, shape in ops if op == "LOG"}  # log(visible): the device mask ran
     assert masks, sorted(ops)
     assert not {shape for op, shape in ops if op == "ABS"} & masks, sorted(ops)

@@ -11,11 +11,10 @@ and five sessions at once.
 from __future__ import annotations
 
 import concurrent.futures
-import re
 
 import pytest
 
-from moe_cache_checks import complete, logprobs, real_text
+from moe_cache_checks import complete, logprobs, op_shape, op_time_reports, real_text
 from moecache.server import ServerProcess
 
 USED = "QSA pools only the blocks its pooled-key store lacks"
@@ -88,13 +87,8 @@ def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp, text):
         ref = complete(srv, prompt, n_predict=8)
     assert out["tokens"] == ref["tokens"] and logprobs(out) == logprobs(ref)
     cap_rows = 4 * (64 // 4 + 2)  # r cells for each of pool_cap = n_tps/r + 2 blocks
-    first, gathers = None, []
-    for line in log.splitlines():
-        if m := re.search(r"ggml_sched_op_times: backend=CPU graphs=1 first=\S+\[\d+,(\d+)\]", line):
-            first = int(m.group(1))
-        elif m := re.search(r"op=GET_ROWS qsa_pool_members \[\d+,(\d+),", line):
-            if first == 64:
-                gathers.append(int(m.group(1)))
+    gathers = [op_shape(e)[1] for r in op_time_reports(log) if r["backend"] == "CPU" and r["tokens"] == 64
+               for e in r["rows"] if e.startswith("GET_ROWS qsa_pool_members [")]
     assert len(gathers) > 20, gathers  # the prompt's full ubatches, two per batch
     # each ubatch of 64 tokens completes at most 16 blocks: it gathers the members of pool_cap blocks
     assert gathers == [cap_rows] * len(gathers), gathers

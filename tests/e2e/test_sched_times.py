@@ -14,13 +14,12 @@ import os
 import re
 import subprocess
 
+from moe_cache_checks import op_time_reports
 from moecache.paths import binary
 
 TIMES = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
                    r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
 STEPS = re.compile(r"llama_host_times: ubatches=(\d+) decode_ms=([\d.]+) .* compute_ms=([\d.]+) .* inputs: (.*)")
-OP_HEAD = re.compile(r"ggml_sched_op_times: backend=(\S+) graphs=(\d+) first=(\S+) entries=(\d+) ms_per_graph=([\d.]+)")
-OP_ROW = re.compile(r"ggml_sched_op_times: backend=(\S+) op=(.+) ms_per_graph=([\d.]+) n_per_graph=([\d.]+)")
 HOST = re.compile(r"ggml_sched_times: host graphs=(\d+) gaps=(\d+) gap_ms_per_graph=([\d.]+)")
 N_GEN = 8
 
@@ -71,23 +70,23 @@ def test_each_backend_reports_its_splits(tiny_model, rpc_servers):
 def test_op_times_rank_each_backends_nodes(tiny_model, rpc_servers):
     [port] = rpc_servers(1)
     log = run_bench(tiny_model, port, GGML_SCHED_TIMES="1", GGML_SCHED_OP_TIMES="3")
+    reports = op_time_reports(log)
     n_layer = 4  # the tiny preset
-    heads = OP_HEAD.findall(log)
     device = f"RPC0[127.0.0.1:{port}]"
     # the warm-up token and the timed ones, every 3 graphs, per backend
     for name in ("CPU", device):
-        assert [int(g) for b, g, *_ in heads if b == name] == [3, 3, 3], heads
+        assert [r["graphs"] for r in reports if r["backend"] == name] == [3, 3, 3], reports
     # the first node of each window: the token embeddings of one token
-    assert {first for *_, first, _, _ in heads} == {"embd[64,1]"}, heads
+    assert {(r["first"], r["tokens"]) for r in reports} == {("embd", 1)}, reports
     # the nodes ran inside the backend's compute, timed around them
     compute = {b: float(c) * int(g) for b, g, _, c, _ in TIMES.findall(log)}
     for name in ("CPU", device):
-        op_ms = sum(float(ms) * int(g) for b, g, _, _, ms in heads if b == name)
+        op_ms = sum(r["ms"] * r["graphs"] for r in reports if r["backend"] == name)
         assert 0 < op_ms <= compute[name] + 0.01, (name, op_ms, compute[name])
-    rows = OP_ROW.findall(log)
     by_name = {}
-    for backend, op, ms, n in rows:
-        by_name.setdefault((backend, op), []).append((float(ms), float(n)))
+    for r in reports:
+        for op, (ms, n) in r["rows"].items():
+            by_name.setdefault((r["backend"], op), []).append((ms, n))
     # the experts are on the CPU: one entry per expert op for every layer, the layer numbers dropped
     for proj in ("gate", "up", "down"):
         [entry] = [k for k in by_name if k[0] == "CPU" and k[1].startswith(f"MUL_MAT_ID ffn_moe_{proj} [")]
@@ -106,6 +105,6 @@ def test_op_times_leave_the_output_as_it_was(tiny_model):
 
     ref, _ = run({})
     out, log = run({"GGML_SCHED_OP_TIMES": "1"})
-    assert OP_HEAD.search(log), log[-2000:]
+    assert op_time_reports(log), log[-2000:]
     assert [o["tokens"] for o in out] == [o["tokens"] for o in ref]
     assert [logprobs(o) for o in out] == [logprobs(o) for o in ref]
