@@ -92,9 +92,11 @@ while [ $i -lt ${#phases[@]} ]; do
         ;;
     test)
         # one pytest process per file: a crash in one file does not hide the others' results
-        # TEST_FILES: a subset (names under tests/gpu), all files when unset
+        # TEST_FILES: a subset (names under tests/gpu, or paths from the repo), all files when unset
         for f in ${TEST_FILES:-"$repo"/tests/gpu/test_*.py}; do
-            [ -f "$f" ] || f=$repo/tests/gpu/$f
+            [ -f "$f" ] || f=tests/gpu/$f
+            # pytest runs from /tmp, so a path from the repo must be made absolute
+            case $f in /*) ;; *) f=$repo/$f ;; esac
             name=$(basename "$f" .py)
             log "test: $name"
             if (set -o pipefail; cd /tmp && timeout 600 python3 -m pytest -q -m gpu "$f" -p no:cacheprovider 2>&1 \
