@@ -53,13 +53,23 @@ def tiny_model(moecache_cache_dir) -> Path:
 def qwen4exp(moecache_cache_dir) -> Path:
     """The `tiny-qwen4exp` synthetic model (seed 0: GDN, QSA with its indexer, PLE), made once per
     session for the long-context tests."""
+    return _tiny_model(moecache_cache_dir, "tiny-qwen4exp")
+
+
+@pytest.fixture(scope="session")
+def qwen4exp_8l(moecache_cache_dir) -> Path:
+    """`tiny-qwen4exp-8l`: two QSA layers, so the first one's output over the whole prompt shows in the logits."""
+    return _tiny_model(moecache_cache_dir, "tiny-qwen4exp-8l")
+
+
+def _tiny_model(cache_dir: Path, preset: str) -> Path:
     from moecache import synth
 
-    models = moecache_cache_dir / "models"
+    models = cache_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
-    path = models / synth.cached_model_name("tiny-qwen4exp", seed=0)
+    path = models / synth.cached_model_name(preset, seed=0)
     if not path.exists():
-        synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False, threads=2)
+        synth.write_model(path, preset=preset, seed=0, progress=False, threads=2)
     return path
 
 

@@ -319,6 +319,9 @@ LONG_CONTEXT_OPTIONS: dict[str, FeatureOption] = {
     "kq_mask_device": FeatureOption(
         "--kq-mask-device", "LLAMA_ARG_KQ_MASK_DEVICE", (), False, None, None,
         "the attention mask built on the device from positions (where they alone decide it)", boolean=True),
+    "qsa_block_topk": FeatureOption(
+        "--qsa-block-topk", "LLAMA_ARG_QSA_BLOCK_TOPK", (), False, None, None,
+        "QSA layers (qwen4exp) rank their blocks, then only the chosen blocks' cells (the same cells)", boolean=True),
 }
 
 
@@ -593,7 +596,9 @@ class Context:
     fewer rows than the masked attention over every cell (needs flash attention; environment:
     LLAMA_ARG_QSA_SPARSE). `kq_mask_device` builds the attention mask on the device from the cells' and
     the tokens' positions instead of uploading n_kv x n_tokens values per ubatch, where positions alone
-    decide it (LLAMA_ARG_KQ_MASK_DEVICE).
+    decide it (LLAMA_ARG_KQ_MASK_DEVICE). `qsa_block_topk` makes the QSA layers rank their blocks first and
+    then only the chosen blocks' cells, which selects the cells the ranking of every cell does (ties at
+    the cut to the lowest cells) where the cache layout allows it (LLAMA_ARG_QSA_BLOCK_TOPK).
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -606,7 +611,8 @@ class Context:
                  moe_cache_miss_auto_pct: int | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
-                 qsa_sparse: bool | None = None, kq_mask_device: bool | None = None):
+                 qsa_sparse: bool | None = None, kq_mask_device: bool | None = None,
+                 qsa_block_topk: bool | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -638,7 +644,8 @@ class Context:
             "prefill_swap_mode": prefill_swap_mode,
             "prefill_warm_restore": prefill_warm_restore,
         })
-        long_context = _long_context_options({"qsa_sparse": qsa_sparse, "kq_mask_device": kq_mask_device})
+        long_context = _long_context_options({"qsa_sparse": qsa_sparse, "kq_mask_device": kq_mask_device,
+                                              "qsa_block_topk": qsa_block_topk})
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                   flash_attn=flash_attn, **moe_cache, **prefill_swap, **long_context)

@@ -177,6 +177,13 @@ PRESETS: dict[str, Preset] = {
         hc_count=4, hc_low_rank=128, indexer_n_head=16, indexer_head_dim=128, indexer_top_k=2048, compress_ratio=4,
         ple_ngram_size=3, ple_heads_per_ngram=8, ple_conv_kernel=4, ple_head_vocab=25_000_000, ple_layer=0),
 }
+# tiny-qwen4exp's QSA layer is its last, so only the last prompt token's QSA output reaches the logits;
+# with a second QSA layer, every prompt token's first-QSA output reaches a later layer's cache
+PRESETS["tiny-qwen4exp-8l"] = replace(
+    PRESETS["tiny-qwen4exp"], name="tiny-qwen4exp-8l",
+    description="for tests: tiny-qwen4exp with 8 layers (6 linear-attention, 2 QSA), so that the first QSA "
+                "layer's output for every prompt token reaches the second's cache; ~40 MB at q8_0",
+    n_layer=8)
 # the long-context benchmark's model: the attention of Qwen3.8-Flash-Next at its real shapes on a 64 GB disk
 PRESETS["qwen3.8-flash-next-16l"] = replace(
     PRESETS["qwen3.8-flash-next"], name="qwen3.8-flash-next-16l",

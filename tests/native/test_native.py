@@ -27,6 +27,15 @@ def test_mul_mat_id_skip_ids_on_cpu():
     assert "table: 35 passed, 0 failed" in out, out[-2000:]
 
 
+def test_top_k_ordered_on_cpu():
+    """Patch 0046: ggml_top_k_ordered takes ties at the k-th value from the lowest indices and returns the
+    indices in increasing order (rows with long runs of ties and -inf), and the top k of a subsequence
+    holding a row's top k, mapped back, is the row's (what QSA's block-level top-k rests on)."""
+    out = run_native("test-top-k-ordered", "2")
+    assert out.strip().endswith(" 0 failed"), out[-2000:]
+    assert "248 passed" in out, out[-500:]
+
+
 def test_moe_cache_policies():
     """Patch 0002: fill order, FREQ rebalance with hysteresis, LRU admission gate and victim, upload cap,
     busy slots, failed uploads, pins, and the map invariants under random routing."""

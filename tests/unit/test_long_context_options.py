@@ -10,15 +10,16 @@ from moecache import api
 
 
 def test_defaults_and_names():
-    assert api._long_context_options({}, {}) == {"qsa_sparse": False, "kq_mask_device": False}
+    assert api._long_context_options({}, {}) == {"qsa_sparse": False, "kq_mask_device": False, "qsa_block_topk": False}
     t = api.LONG_CONTEXT_OPTIONS
     assert {n: (o.flag, o.env, o.boolean) for n, o in t.items()} == {
         "qsa_sparse": ("--qsa-sparse", "LLAMA_ARG_QSA_SPARSE", True),
-        "kq_mask_device": ("--kq-mask-device", "LLAMA_ARG_KQ_MASK_DEVICE", True)}
+        "kq_mask_device": ("--kq-mask-device", "LLAMA_ARG_KQ_MASK_DEVICE", True),
+        "qsa_block_topk": ("--qsa-block-topk", "LLAMA_ARG_QSA_BLOCK_TOPK", True)}
 
 
 @pytest.mark.parametrize("word,value", [("1", True), ("on", True), ("TRUE", True), ("0", False), (" off ", False)])
-@pytest.mark.parametrize("name", ["qsa_sparse", "kq_mask_device"])
+@pytest.mark.parametrize("name", ["qsa_sparse", "kq_mask_device", "qsa_block_topk"])
 def test_the_variable(name, word, value):
     env = api.LONG_CONTEXT_OPTIONS[name].env
     assert api._long_context_options({}, {env: word})[name] is value
