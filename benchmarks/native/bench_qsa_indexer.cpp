@@ -6,6 +6,11 @@
 //   expand  the block scores onto the cells (get_rows), plus the attention mask
 //   top_k   the cells' top-k (width top_k + r - 1)
 //   top_k_blocks  for comparison: a top-k over the blocks instead (width top_k / r + 1)
+//   top_k_ordered the cells' top-k as --qsa-block-topk takes it where the block level cannot
+//                 (ggml_top_k_ordered, patch 0046)
+//   block_topk    what --qsa-block-topk (patch 0047) runs in place of expand + top_k: the best
+//                 n_sel = ceil((width - 1)/r) + 2 blocks per token, their cells and values, the
+//                 width best of those
 // Random data: the times do not depend on the values. One JSON line per (stage, n_kv, n_tps):
 //   {"stage": "...", "n_kv": N, "n_tps": T, "ms": median, "ms_min": ..., "reps": R, "device": "..."}
 //
@@ -203,6 +208,26 @@ int main(int argc, char ** argv) {
                 { "top_k_blocks", [&](ggml_context * ctx, auto & ins) {
                     ggml_tensor * s = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, nb, n_tps), 0);
                     return ggml_top_k(ctx, s, width_blocks);
+                } },
+                { "top_k_ordered", [&](ggml_context * ctx, auto & ins) {
+                    ggml_tensor * e = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_kv, n_tps), 0);
+                    return ggml_top_k_ordered(ctx, e, width);
+                } },
+                { "block_topk", [&](ggml_context * ctx, auto & ins) {
+                    const int64_t n_sel = std::min<int64_t>(nb, (width - 1 + RATIO - 1)/RATIO + 2);
+                    ggml_tensor * score = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, nb, n_tps), 0);
+                    ggml_tensor * hide  = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_F32, nb, n_tps), 0);
+                    ggml_tensor * table = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_I32, RATIO, nb), n_kv);
+                    ggml_tensor * mask  = input(ctx, ins, ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_tps), 0);
+                    ggml_tensor * sel   = ggml_top_k_ordered(ctx, ggml_add(ctx, score, hide), n_sel);
+                    ggml_tensor * cells = ggml_get_rows(ctx, table, ggml_reshape_1d(ctx, sel, n_sel*n_tps));
+                    ggml_tensor * bs    = ggml_get_rows(ctx, ggml_reshape_3d(ctx, score, 1, nb, n_tps), sel);
+                    ggml_tensor * cm    = ggml_get_rows(ctx, ggml_reshape_3d(ctx, mask, 1, n_kv, n_tps),
+                            ggml_reshape_2d(ctx, cells, RATIO*n_sel, n_tps));
+                    ggml_tensor * v     = ggml_add(ctx, ggml_reshape_3d(ctx, cm, RATIO, n_sel, n_tps), bs);
+                    ggml_tensor * pick  = ggml_top_k_ordered(ctx, ggml_reshape_2d(ctx, v, RATIO*n_sel, n_tps),
+                            std::min<int64_t>(width, RATIO*n_sel));
+                    return ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, RATIO*n_sel, n_tps), pick);
                 } },
             };
             for (const auto & st : stages) {

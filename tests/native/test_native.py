@@ -51,7 +51,7 @@ def test_the_qsa_indexer_bench_times_every_stage():
 
     out = run_native("bench-qsa-indexer", "-d", "CPU", "-k", "300,1000", "-t", "1,4", "-r", "2")
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    stages = {"pool", "score", "expand", "top_k", "top_k_blocks"}
+    stages = {"pool", "score", "expand", "top_k", "top_k_blocks", "top_k_ordered", "block_topk"}
     assert {(r["stage"], r["n_kv"], r["n_tps"]) for r in rows} == {
         (s, k, t) for s in stages for k in (300, 1000) for t in (1, 4)}
     assert all(r["ms"] > 0 and r["ms_min"] <= r["ms"] and r["device"] == "CPU" for r in rows), rows
