@@ -58,9 +58,9 @@ def test_rejected_drafts_roll_back_positions(tiny_model):
 
 
 @pytest.mark.parametrize("sparse", [[], ["--qsa-sparse", "--kq-mask-device"]], ids=["masked-qsa", "sparse-qsa"])
-def test_hybrid_memory_keeps_its_rows(qwen4exp, sparse):
+def test_hybrid_memory_keeps_its_rows(qwen4exp_8l, sparse):
     args = ["-fa", "on", "-np", "1"] + sparse
-    same(run(qwen4exp, args, KEEP_OFF), run(qwen4exp, args, {}))
+    same(run(qwen4exp_8l, args, KEEP_OFF), run(qwen4exp_8l, args, {}))
 
 
 def test_cells_reused_in_the_middle_of_the_cache(tiny_model):

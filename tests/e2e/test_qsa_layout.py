@@ -55,29 +55,29 @@ def complete_with(srv, req):
 
 
 @pytest.mark.parametrize("device", [[], ["--kq-mask-device"]], ids=["host-bias", "device-bias"])
-def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp, text, device):
+def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp_8l, text, device):
     """With --kq-mask-device the layouts write the device's block values and tails instead of the
     bias rows (patch 0029): compared the same way."""
     reqs = requests(text)
-    checked, log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
+    checked, log = run(qwen4exp_8l, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
     assert CHECKED in log
     assert checked[1]["tokens_cached"] > 1000  # the second request reused the first one's cells
-    stock, stock_log = run(qwen4exp, {"LLAMA_QSA_LAYOUT_FAST": "0", "LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
+    stock, stock_log = run(qwen4exp_8l, {"LLAMA_QSA_LAYOUT_FAST": "0", "LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
     assert CHECKED not in stock_log  # off: nothing to compare
-    fast, _ = run(qwen4exp, {}, reqs, extra=device)
+    fast, _ = run(qwen4exp_8l, {}, reqs, extra=device)
     for a, b, c in zip(stock, checked, fast):
         assert a["tokens"] == b["tokens"] == c["tokens"]
         assert logprobs(a) == logprobs(b) == logprobs(c)  # exact
 
 
-def test_two_sequences_in_one_unified_stream_and_five_streams_agree(qwen4exp, text):
+def test_two_sequences_in_one_unified_stream_and_five_streams_agree(qwen4exp_8l, text):
     """-kvu -np 2: while both slots hold cells the stream has two sequences and the grouped scan
     runs; alone, one of them takes the kept layout. -np 5 -no-kvu: five kept layouts at once."""
     prompts = [text[i * 700:i * 700 + 2500] for i in range(5)]
     env = {"LLAMA_QSA_LAYOUT_CHECK": "1"}
     for args, n in ((server_args(n_parallel=2, n_ctx=8192, unified=True), 2),
                     (server_args(n_parallel=5, n_ctx=5 * 2048), 5)):
-        with ServerProcess(qwen4exp, args=args, env=env, timeout=300) as srv:
+        with ServerProcess(qwen4exp_8l, args=args, env=env, timeout=300) as srv:
             solo = [complete(srv, p, n_predict=12) for p in prompts[:n]]
             with concurrent.futures.ThreadPoolExecutor(n) as pool:
                 together = list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts[:n]))

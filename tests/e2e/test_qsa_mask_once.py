@@ -7,8 +7,6 @@ of both paths is the host mask's bit for bit.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from moe_cache_checks import complete, logprobs, op_time_reports, real_text
@@ -19,15 +17,8 @@ TEXT = real_text(1200, 2000)
 
 
 @pytest.fixture(scope="module")
-def two_qsa_layers(moecache_cache_dir):
-    from moecache import synth
-
-    preset = replace(synth.PRESETS["tiny-qwen4exp"], name="tiny-qwen4exp-8l", n_layer=8)  # QSA on layers 3, 7
-    path = moecache_cache_dir / "models" / synth.cached_model_name(preset.name, seed=0)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        synth.write_model(path, preset=preset, seed=0, progress=False, threads=2)
-    return path
+def two_qsa_layers(qwen4exp_8l):
+    return qwen4exp_8l  # QSA on layers 3 and 7
 
 
 def run(model, extra, env=None):

@@ -39,9 +39,9 @@ def run(model, text, env, extra=()):
 
 
 @pytest.mark.parametrize("extra", [[], ["--kq-mask-device"], ["--qsa-sparse"]], ids=["masked", "device", "sparse"])
-def test_the_store_gives_the_pins_output_bit_for_bit(qwen4exp, text, extra):
-    pin, pin_log = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE": "0"}, extra)
-    kept, log = run(qwen4exp, text, {}, extra)
+def test_the_store_gives_the_pins_output_bit_for_bit(qwen4exp_8l, text, extra):
+    pin, pin_log = run(qwen4exp_8l, text, {"LLAMA_QSA_POOL_STORE": "0"}, extra)
+    kept, log = run(qwen4exp_8l, text, {}, extra)
     assert USED in log and USED not in pin_log
     assert "QSA pooled-key store:" in log
     assert kept[1]["tokens_cached"] > 1000
@@ -50,29 +50,29 @@ def test_the_store_gives_the_pins_output_bit_for_bit(qwen4exp, text, extra):
         assert logprobs(a) == logprobs(b)  # exact
 
 
-def test_five_sessions_with_the_store_equal_the_pins(qwen4exp, text):
+def test_five_sessions_with_the_store_equal_the_pins(qwen4exp_8l, text):
     prompts = [text[i * 700:i * 700 + 2500] for i in range(5)]
     outs = []
     for env in ({"LLAMA_QSA_POOL_STORE": "0"}, {}):
-        with ServerProcess(qwen4exp, args=server_args(n_parallel=5, n_ctx=5 * 2048), env=env, timeout=300) as srv:
+        with ServerProcess(qwen4exp_8l, args=server_args(n_parallel=5, n_ctx=5 * 2048), env=env, timeout=300) as srv:
             with concurrent.futures.ThreadPoolExecutor(5) as pool:
                 outs.append(list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts)))
     for a, b in zip(*outs):
         assert a["tokens"] == b["tokens"]
 
 
-def test_a_store_that_cannot_be_allocated_leaves_the_pins_pooling(qwen4exp, text):
+def test_a_store_that_cannot_be_allocated_leaves_the_pins_pooling(qwen4exp_8l, text):
     """LLAMA_QSA_POOL_STORE_FAIL=1 injects the allocation failure: the server warns, starts, and
     answers with the pin's output, pooling every block."""
-    pin, _ = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE": "0"})
-    failed, log = run(qwen4exp, text, {"LLAMA_QSA_POOL_STORE_FAIL": "1"})
+    pin, _ = run(qwen4exp_8l, text, {"LLAMA_QSA_POOL_STORE": "0"})
+    failed, log = run(qwen4exp_8l, text, {"LLAMA_QSA_POOL_STORE_FAIL": "1"})
     assert "no memory for the QSA pooled-key store" in log
     assert USED not in log and "QSA pooled-key store:" not in log
     for a, b in zip(pin, failed):
         assert a["tokens"] == b["tokens"] and logprobs(a) == logprobs(b)
 
 
-def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp, text):
+def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp_8l, text):
     """The server removes a slot's cells past its end before every batch of a prompt (patch 0044): a range
     that holds none of them changes no cell, so the store stays and each ubatch gathers the members of its
     new blocks only (GGML_SCHED_OP_TIMES names the gather: `qsa_pool_members`, r cells for each of
@@ -80,10 +80,10 @@ def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp, text):
     args = ["-t", "2", "-c", "8192", "-np", "1", "-ngl", "0", "-fa", "on", "-b", "128", "-ub", "64", "-lv", "4"]
     timed = {"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"}
     prompt = text[:6000]
-    with ServerProcess(qwen4exp, args=args, env=timed, timeout=300) as srv:
+    with ServerProcess(qwen4exp_8l, args=args, env=timed, timeout=300) as srv:
         out = complete(srv, prompt, n_predict=8)
         log = srv.log_text()
-    with ServerProcess(qwen4exp, args=args, env={"LLAMA_QSA_POOL_STORE": "0"}, timeout=300) as srv:
+    with ServerProcess(qwen4exp_8l, args=args, env={"LLAMA_QSA_POOL_STORE": "0"}, timeout=300) as srv:
         ref = complete(srv, prompt, n_predict=8)
     assert out["tokens"] == ref["tokens"] and logprobs(out) == logprobs(ref)
     cap_rows = 4 * (64 // 4 + 2)  # r cells for each of pool_cap = n_tps/r + 2 blocks

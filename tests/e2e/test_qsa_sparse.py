@@ -1,6 +1,6 @@
 """QSA sparse attention (--qsa-sparse) through the real llama-server on the CPU.
 
-tiny-qwen4exp's QSA layer selects 8 cells in whole blocks of 4 plus the incomplete tail: 11 cells
+tiny-qwen4exp-8l's two QSA layers select 8 cells in whole blocks of 4 plus the incomplete tail: 11 cells
 per query. On the stock path the layer masks every other cell of the cache (a mask over n_kv);
 with --qsa-sparse it gathers the selected cells' K/V rows and mask entries per query token and
 attends those alone, wherever that reads fewer rows than the masked attention (decode, and here the
@@ -33,14 +33,14 @@ def deep_prompt() -> str:
 
 
 @pytest.fixture(scope="module")
-def masked(qwen4exp, deep_prompt):
-    with ServerProcess(qwen4exp, args=ARGS, timeout=300) as srv:
+def masked(qwen4exp_8l, deep_prompt):
+    with ServerProcess(qwen4exp_8l, args=ARGS, timeout=300) as srv:
         return complete(srv, deep_prompt, n_predict=16)
 
 
 @pytest.fixture(scope="module")
-def sparse(qwen4exp, deep_prompt):
-    with ServerProcess(qwen4exp, args=ARGS + ["--qsa-sparse"], timeout=300) as srv:
+def sparse(qwen4exp_8l, deep_prompt):
+    with ServerProcess(qwen4exp_8l, args=ARGS + ["--qsa-sparse"], timeout=300) as srv:
         return complete(srv, deep_prompt, n_predict=16)
 
 
@@ -55,40 +55,40 @@ def test_sparse_attention_equals_the_masked_path_at_depth(masked, sparse):
     assert 0.0 < diff < 2e-2, diff
 
 
-def test_a_quantized_cache_gathers_and_dequantizes_the_selected_rows(qwen4exp, deep_prompt):
+def test_a_quantized_cache_gathers_and_dequantizes_the_selected_rows(qwen4exp_8l, deep_prompt):
     """q8_0 K and V: the gather dequantizes only the selected rows; the stock kernel reads q8_0 itself."""
     q8 = ARGS + ["-ctk", "q8_0", "-ctv", "q8_0"]
     outs = []
     for extra in ([], ["--qsa-sparse"]):
-        with ServerProcess(qwen4exp, args=q8 + extra, timeout=300) as srv:
+        with ServerProcess(qwen4exp_8l, args=q8 + extra, timeout=300) as srv:
             outs.append(complete(srv, deep_prompt, n_predict=16))
     masked, sparse = outs
     assert sparse["tokens"] == masked["tokens"]
     assert 0.0 < max_logprob_diff(masked, sparse) < 2e-2
 
 
-def test_the_environment_variable_turns_it_on(qwen4exp, deep_prompt, sparse):
-    with ServerProcess(qwen4exp, args=ARGS, env={"LLAMA_ARG_QSA_SPARSE": "1"}, timeout=300) as srv:
+def test_the_environment_variable_turns_it_on(qwen4exp_8l, deep_prompt, sparse):
+    with ServerProcess(qwen4exp_8l, args=ARGS, env={"LLAMA_ARG_QSA_SPARSE": "1"}, timeout=300) as srv:
         out = complete(srv, deep_prompt, n_predict=16)
     assert out["tokens"] == sparse["tokens"] and max_logprob_diff(out, sparse) == 0.0
 
 
-def test_without_flash_attention_it_keeps_the_masked_path(qwen4exp, deep_prompt):
+def test_without_flash_attention_it_keeps_the_masked_path(qwen4exp_8l, deep_prompt):
     """The gather needs flash attention's untransposed V cache: with -fa off the flag changes nothing."""
     off = server_args(flash_attn="off")
     outs = []
     for extra in ([], ["--qsa-sparse"]):
-        with ServerProcess(qwen4exp, args=off + extra, timeout=300) as srv:
+        with ServerProcess(qwen4exp_8l, args=off + extra, timeout=300) as srv:
             outs.append(complete(srv, deep_prompt[:3000], n_predict=8))
     assert outs[0]["tokens"] == outs[1]["tokens"] and max_logprob_diff(outs[0], outs[1]) == 0.0
 
 
-def test_five_concurrent_sessions_equal_their_solo_outputs(qwen4exp):
+def test_five_concurrent_sessions_equal_their_solo_outputs(qwen4exp_8l):
     """-np 5 with a KV stream per sequence: each decode step gathers per stream."""
     texts = [t[:1500] for _, t in synth.default_texts()]
     prompts = [texts[i % len(texts)][i * 40:] for i in range(5)]
     args = server_args(n_parallel=5, n_ctx=5 * 1024) + ["--qsa-sparse"]
-    with ServerProcess(qwen4exp, args=args, timeout=300) as srv:
+    with ServerProcess(qwen4exp_8l, args=args, timeout=300) as srv:
         solo = [complete(srv, p, n_predict=12) for p in prompts]
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             together = list(pool.map(lambda p: complete(srv, p, n_predict=12), prompts))
@@ -107,12 +107,12 @@ def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
     assert "--no-qsa-sparse" in out
 
 
-def test_the_python_api_turns_it_on(core, qwen4exp, deep_prompt, monkeypatch):
+def test_the_python_api_turns_it_on(core, qwen4exp_8l, deep_prompt, monkeypatch):
     """moecache.Model(...).context(qsa_sparse=True), or LLAMA_ARG_QSA_SPARSE: the server's tokens."""
     import moecache
 
     monkeypatch.delenv("LLAMA_ARG_QSA_SPARSE", raising=False)
-    model = moecache.Model(qwen4exp)
+    model = moecache.Model(qwen4exp_8l)
     kw = {"n_ctx": 1024, "n_batch": 256, "n_ubatch": 16, "n_threads": 2, "flash_attn": "on"}
     prompt = deep_prompt[:2500]
     on = model.context(**kw, qsa_sparse=True)
