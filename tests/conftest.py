@@ -39,14 +39,7 @@ def moecache_cache_dir(tmp_path_factory) -> Path:
 def tiny_model(moecache_cache_dir) -> Path:
     """The `tiny` synthetic qwen3moe (seed 0), written where `moecache bench` looks for
     { synth = "tiny" } in the session cache folder, so scenarios reuse it."""
-    from moecache import synth
-
-    models = moecache_cache_dir / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    path = models / synth.cached_model_name("tiny", seed=0)
-    if not path.exists():
-        synth.write_model(path, preset="tiny", seed=0, progress=False)
-    return path
+    return _tiny_model(moecache_cache_dir, "tiny")
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +56,8 @@ def qwen4exp_8l(moecache_cache_dir) -> Path:
 
 
 def _tiny_model(cache_dir: Path, preset: str) -> Path:
+    """A synthetic model of `preset` (seed 0) in the session cache folder, made on first use (the same
+    bytes at any thread count)."""
     from moecache import synth
 
     models = cache_dir / "models"
