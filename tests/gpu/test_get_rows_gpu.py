@@ -37,3 +37,19 @@ def test_get_rows_on_cuda_equals_the_cpu(short):
     assert set(found) == expected, sorted(found)
     assert all(status == "OK" for status in found.values()), found
     assert "FAIL" not in out
+
+
+CAST_CASE = re.compile(r"GET_ROWS_CAST\(type=(\w+),type_dst=(\w+),n=(\d+),[^)]*\): (\S+)")
+
+
+def test_get_rows_with_its_cast_on_cuda_equals_the_cpu():
+    """Patch 0049: a get_rows whose rows go to f16/bf16 runs as one gather on CUDA (fused), from f16,
+    f32, bf16, q8_0 and q4_0 rows; the CPU runs the two ops."""
+    proc = subprocess.run([str(binary("test-backend-ops")), "test", "-o", "GET_ROWS_CAST", "-b", "CUDA0"],
+                          capture_output=True, text=True, timeout=300)
+    out = ANSI.sub("", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, out[-3000:]
+    found = {(t, d, n): status for t, d, n, status in CAST_CASE.findall(out)}
+    expected = {(t, d, n) for t in ("f16", "f32", "bf16", "q8_0", "q4_0") for d in ("f16", "bf16") for n in ("512", "256")}
+    assert set(found) == expected, sorted(found)
+    assert all(status == "OK" for status in found.values()), found

@@ -1,6 +1,8 @@
 """QSA sparse attention (--qsa-sparse, patch 0024) on CUDA: tiny-qwen4exp with every layer on the
 GPU, f16 and q8_0 KV. The gathered path attends the same cells as the masked one: the same greedy
 tokens, log-probabilities within device rounding, at a depth of ~2.5k tokens, prompt and decode.
+Prompt ubatches of 256 tokens at depth attend sparsely too (patch 0050), and the gathered rows go to
+f16 in the gather itself (patch 0049): bit for bit what the gather and its cast give.
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import complete, max_logprob_diff, real_text
+from moe_cache_checks import complete, logprobs, max_logprob_diff, real_text
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -36,3 +38,43 @@ def test_sparse_attention_on_cuda_equals_the_masked_path(qwen4exp, kv):
     assert sparse["tokens_evaluated"] > 2000
     assert sparse["tokens"] == masked["tokens"]
     assert max_logprob_diff(masked, sparse) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def qwen4exp_8l(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qsa-8l") / "tiny-qwen4exp-8l.gguf"
+    return synth.write_model(path, preset="tiny-qwen4exp-8l", seed=0, progress=False)
+
+
+def run_256(model, prompt, extra, env):
+    args = ARGS + ["-ub", "256", "-lv", "4"] + extra  # the later -ub wins
+    with ServerProcess(model, args=args, env=env, timeout=300) as srv:
+        return complete(srv, prompt, n_predict=16), srv.log_text()
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_prompt_ubatches_at_depth_attend_sparsely_on_cuda(qwen4exp_8l, kv):
+    """Ubatches of 256 tokens at ~2.5k cells take the sparse path from n_kv >= 48 x width; a depth of
+    1e9 keeps them masked (the rows rule alone): the outputs differ, both within rounding of masked."""
+    prompt = real_text(2500, 10000)
+    kv_args = ["-ctk", kv, "-ctv", kv]
+    masked, _ = run_256(qwen4exp_8l, prompt, kv_args, {})
+    sparse, _ = run_256(qwen4exp_8l, prompt, kv_args + ["--qsa-sparse"], {})
+    rows, _ = run_256(qwen4exp_8l, prompt, kv_args + ["--qsa-sparse"], {"LLAMA_QSA_SPARSE_DEPTH": "1e9"})
+    assert sparse["tokens_evaluated"] > 2000
+    assert sparse["tokens"] == masked["tokens"] == rows["tokens"]
+    assert logprobs(sparse) != logprobs(rows), "the prompt's ubatches ran masked"
+    assert max_logprob_diff(masked, sparse) < 2e-2 and max_logprob_diff(masked, rows) < 2e-2
+
+
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_the_fused_gather_is_the_unfused_one_bit_for_bit(qwen4exp_8l, kv):
+    """GGML_CUDA_GET_ROWS_CAST_FUSE=0 keeps get_rows (f32 rows) and the cast to f16 apart."""
+    prompt = real_text(2500, 10000)
+    extra = ["-ctk", kv, "-ctv", kv, "--qsa-sparse"]
+    fused, log = run_256(qwen4exp_8l, prompt, extra, {})
+    apart, log_apart = run_256(qwen4exp_8l, prompt, extra, {"GGML_CUDA_GET_ROWS_CAST_FUSE": "0"})
+    line = "get_rows and its cast to f16 fused"
+    assert line in log and line not in log_apart
+    assert fused["tokens"] == apart["tokens"]
+    assert logprobs(fused) == logprobs(apart)  # exact
