@@ -97,38 +97,6 @@ def test_five_concurrent_sessions_equal_their_solo_outputs(qwen4exp_8l):
         assert max_logprob_diff(a, b) < 2e-2
 
 
-def test_prompt_ubatches_at_depth_attend_sparsely_too(qwen4exp_8l, deep_prompt):
-    """Ubatches of 256 tokens at ~2.5k cells: gathering 256 x 11 rows reads more than the cache holds,
-    so by rows alone they take the masked path; from n_kv >= LLAMA_QSA_SPARSE_DEPTH x width (48 x 11
-    cells by default) every batch attends sparsely (per query the masked path scores all n_kv cells).
-    A depth of 1e9 keeps the rows rule alone: the prompt's ubatches then run masked, so its outputs differ
-    from the default's in the last bits, and both equal the masked path's within rounding."""
-    args = server_args() + ["-ub", "256"]  # the later -ub wins
-    outs = {}
-    for name, extra, env in (("masked", [], {}), ("sparse", ["--qsa-sparse"], {}),
-                             ("rows-rule", ["--qsa-sparse"], {"LLAMA_QSA_SPARSE_DEPTH": "1e9"})):
-        with ServerProcess(qwen4exp_8l, args=args + extra, env=env, timeout=300) as srv:
-            outs[name] = complete(srv, deep_prompt, n_predict=8)
-    assert outs["sparse"]["tokens_evaluated"] > 2000
-    assert outs["sparse"]["tokens"] == outs["masked"]["tokens"] == outs["rows-rule"]["tokens"]
-    assert 0.0 < max_logprob_diff(outs["sparse"], outs["rows-rule"]), "the prompt's ubatches ran masked"
-    for name in ("sparse", "rows-rule"):
-        assert max_logprob_diff(outs["masked"], outs[name]) < 2e-2, name
-
-
-def test_query_chunks_change_nothing(qwen4exp_8l, deep_prompt):
-    """The sparse attention of a ubatch runs in chunks of tokens where its gathered rows would outgrow
-    the indexer's scores (ubatches of 16 here: chunks of 4 tokens). Each query attends alone, so chunks of
-    1 token and one chunk of all 16 give the same bits as the default."""
-    outs = []
-    for chunk in ("1", "16", ""):
-        with ServerProcess(qwen4exp_8l, args=ARGS + ["--qsa-sparse"], env={"LLAMA_QSA_SPARSE_CHUNK": chunk},
-                           timeout=300) as srv:
-            outs.append(complete(srv, deep_prompt, n_predict=8))
-    for out in outs[1:]:
-        assert out["tokens"] == outs[0]["tokens"] and max_logprob_diff(outs[0], out) == 0.0
-
-
 def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
     from moecache import api
 
