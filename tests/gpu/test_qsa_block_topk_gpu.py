@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from moe_cache_checks import complete, logprobs, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -21,12 +20,6 @@ ARGS = ["-t", "8", "-c", "8192", "-np", "1", "-ngl", "99", "-fa", "on", "-b", "2
         "--qsa-block-topk"]
 USED = "before its cells (block-level top-k)"
 CELL_LEVEL = {"LLAMA_QSA_BLOCK_TOPK_BLOCKS": "1000000"}
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsa-topk") / "tiny-qwen4exp-8l.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp-8l", seed=0, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +36,9 @@ def run(model, text, env, extra=()):
 
 @pytest.mark.parametrize("extra", [[], ["--kq-mask-device"], ["--qsa-sparse"], ["-ctk", "q8_0", "-ctv", "q8_0"]],
                          ids=["masked", "device-mask", "sparse", "q8_0"])
-def test_the_block_level_on_cuda_equals_the_cell_level(model, text, extra):
-    ref, ref_log = run(model, text, CELL_LEVEL, extra)
-    blk, log = run(model, text, {}, extra)
+def test_the_block_level_on_cuda_equals_the_cell_level(qwen4exp_8l, text, extra):
+    ref, ref_log = run(qwen4exp_8l, text, CELL_LEVEL, extra)
+    blk, log = run(qwen4exp_8l, text, {}, extra)
     assert USED in log and USED not in ref_log
     assert blk[0]["tokens_evaluated"] > 1000 and blk[1]["tokens_cached"] > 1000
     for a, b in zip(ref, blk):
@@ -53,8 +46,8 @@ def test_the_block_level_on_cuda_equals_the_cell_level(model, text, extra):
         assert logprobs(a) == logprobs(b)  # exact
 
 
-def test_one_block_fewer_changes_the_output(model, text):
-    ref, _ = run(model, text, CELL_LEVEL)
-    outs, log = run(model, text, {"LLAMA_QSA_BLOCK_TOPK_BLOCKS": "4"})
+def test_one_block_fewer_changes_the_output(qwen4exp_8l, text):
+    ref, _ = run(qwen4exp_8l, text, CELL_LEVEL)
+    outs, log = run(qwen4exp_8l, text, {"LLAMA_QSA_BLOCK_TOPK_BLOCKS": "4"})
     assert "QSA selects 4 blocks per token" in log
     assert any(logprobs(a) != logprobs(b) for a, b in zip(ref, outs))

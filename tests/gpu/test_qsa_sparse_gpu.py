@@ -12,18 +12,11 @@ from __future__ import annotations
 import pytest
 
 from moe_cache_checks import complete, logprobs, max_logprob_diff, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
 
 ARGS = ["-t", "8", "-c", "4096", "-np", "1", "-ngl", "99", "-fa", "on", "-b", "256", "-ub", "16", "-no-kvu"]
-
-
-@pytest.fixture(scope="module")
-def qwen4exp(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsa") / "tiny-qwen4exp.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp", seed=0, progress=False)
 
 
 @pytest.mark.parametrize("kv", ["f16", "q8_0"])
@@ -38,12 +31,6 @@ def test_sparse_attention_on_cuda_equals_the_masked_path(qwen4exp, kv):
     assert sparse["tokens_evaluated"] > 2000
     assert sparse["tokens"] == masked["tokens"]
     assert max_logprob_diff(masked, sparse) < 2e-2
-
-
-@pytest.fixture(scope="module")
-def qwen4exp_8l(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qsa-8l") / "tiny-qwen4exp-8l.gguf"
-    return synth.write_model(path, preset="tiny-qwen4exp-8l", seed=0, progress=False)
 
 
 def run_256(model, prompt, extra, env):
