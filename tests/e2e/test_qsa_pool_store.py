@@ -92,3 +92,41 @@ def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp_8l, text
     assert len(gathers) > 20, gathers  # the prompt's full ubatches, two per batch
     # each ubatch of 64 tokens completes at most 16 blocks: it gathers the members of pool_cap blocks
     assert gathers == [cap_rows] * len(gathers), gathers
+
+
+def test_a_new_continuation_of_a_cached_prefix_pools_only_its_new_blocks(qwen4exp_8l, text):
+    """A request that shares a prefix with the slot's cache but goes on differently cuts the slot's tail
+    (seq_rm from the end of the common prefix): the blocks before the cut keep their pooled keys, so its
+    ubatches gather the members of their new blocks only, where the cut used to drop the whole store
+    and the first ubatch pooled every block (LLAMA_QSA_TAIL_CUT_KEEP=0 keeps that behaviour: the check
+    below fails with it). The outputs are the pin's bit for bit."""
+    args = ["-t", "2", "-c", "8192", "-np", "1", "-ngl", "0", "-fa", "on", "-b", "128", "-ub", "64", "-lv", "4"]
+    timed = {"GGML_SCHED_OP_TIMES": "1", "GGML_SCHED_OP_TIMES_TOP": "1000"}
+
+    def serve(env):
+        with ServerProcess(qwen4exp_8l, args=args, env=env, timeout=300) as srv:
+            status, body = srv.post("/tokenize", {"content": text})
+            assert status == 200, body
+            toks = body["tokens"]
+            # the prefix alone first, as a depth is cached: the slot's recurrent state can go back to its end
+            prefix = toks[:1100]
+            outs = [complete(srv, prefix, n_predict=1, cache_prompt=True)]
+            mark = len(srv.log_text())
+            outs += [complete(srv, prefix + toks[1100 + i * 300:1400 + i * 300], n_predict=8, cache_prompt=True)
+                     for i in range(2)]
+            return outs, srv.log_text()[mark:]
+
+    def gathers(log):
+        return [op_shape(e)[1] for r in op_time_reports(log) if r["backend"] == "CPU" and r["tokens"] == 64
+                for e in r["rows"] if e.startswith("GET_ROWS qsa_pool_members [")]
+
+    ref, _ = serve({"LLAMA_QSA_POOL_STORE": "0"})
+    kept, log = serve(timed)
+    _, reset_log = serve({**timed, "LLAMA_QSA_TAIL_CUT_KEEP": "0"})
+    assert all(o["timings"]["cache_n"] >= 1000 for o in kept[1:]), [o["timings"] for o in kept]
+    for a, b in zip(ref, kept):
+        assert a["tokens"] == b["tokens"] and logprobs(a) == logprobs(b)
+    cap_rows = 4 * (64 // 4 + 2)
+    assert len(gathers(log)) >= 4 and gathers(log) == [cap_rows] * len(gathers(log)), gathers(log)
+    # without the fix each request's first ubatch gathers every block's members
+    assert max(gathers(reset_log)) > 10 * cap_rows, gathers(reset_log)
