@@ -31,8 +31,11 @@ except KeyboardInterrupt:
 
 
 def test_ctrl_c_stops_a_long_generation(tiny_model, subprocess_env):
+    # the child must see Ctrl-C even where the test runner was started with SIGINT ignored (a background job
+    # of a shell without job control): Python maps SIGINT to KeyboardInterrupt only if it starts at SIG_DFL
     proc = subprocess.Popen([sys.executable, "-c", GENERATE_FOREVER, str(tiny_model)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=subprocess_env)
+                            stderr=subprocess.STDOUT, text=True, env=subprocess_env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().strip() == "generating"
         time.sleep(2.0)
