@@ -73,3 +73,22 @@ def op_time_reports(log: str) -> list[dict]:
 def op_shape(entry: str) -> list[int]:
     """The shape at the end of an op-times entry ("GET_ROWS node [32,520,1,1]")."""
     return [int(x) for x in entry.rsplit("[", 1)[1].rstrip("]").split(",")]
+
+
+# QSA's mask at the selected cells (patch 0053): the flag sets its tests run with (CPU and CUDA), each
+# with LLAMA_QSA_MASK_SELECTED=0 as the reference
+QSA_MASK_SELECTED_CASES = {
+    "device-block": ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"],
+    "device-cell": ["--qsa-sparse", "--kq-mask-device"],
+    "host": ["--qsa-sparse"],
+    "device-block-q8_0": ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk", "-ctk", "q8_0", "-ctv", "q8_0"],
+}
+
+
+def full_kq_mask_ops(log: str, backend: str, n_tokens: int) -> list[str]:
+    """The ops over a whole [n_kv, n_tokens] KQ mask (n_kv: a multiple of 256) in the n_tokens-token ubatches
+    that take QSA's block level, by GGML_SCHED_OP_TIMES: the device mask's log and its f16 cast."""
+    return [e for r in op_time_reports(log) if r["backend"] == backend and r["tokens"] == n_tokens
+            and any("qsa_topk_blocks" in e for e in r["rows"]) for e in r["rows"]
+            if (e.startswith("LOG ") or e.startswith("CPY attn_inp_kq_mask")) and op_shape(e)[0] % 256 == 0
+            and op_shape(e)[1] == n_tokens]

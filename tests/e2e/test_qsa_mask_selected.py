@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import complete, logprobs, op_shape, op_time_reports, real_text
+from moe_cache_checks import QSA_MASK_SELECTED_CASES, complete, full_kq_mask_ops, logprobs, real_text
 from moecache.server import ServerProcess
 
 PIN = {"LLAMA_QSA_MASK_SELECTED": "0"}
@@ -37,21 +37,7 @@ def run(model, text, env, extra):
         return outs, srv.log_text()
 
 
-def full_mask_ops(log):
-    """The ops over a whole [n_kv, 64] mask (n_kv: a multiple of 256) in the 64-token ubatches that take the
-    block level: the device mask's log and its f16 cast."""
-    return [e for r in op_time_reports(log) if r["backend"] == "CPU" and r["tokens"] == 64
-            and any("qsa_topk_blocks" in e for e in r["rows"]) for e in r["rows"]
-            if (e.startswith("LOG ") or e.startswith("CPY attn_inp_kq_mask")) and op_shape(e)[0] % 256 == 0
-            and op_shape(e)[1] == 64]
-
-
-@pytest.mark.parametrize("extra", [
-    ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"],
-    ["--qsa-sparse", "--kq-mask-device"],
-    ["--qsa-sparse"],
-    ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk", "-ctk", "q8_0", "-ctv", "q8_0"],
-], ids=["device-block", "device-cell", "host", "device-block-q8_0"])
+@pytest.mark.parametrize("extra", list(QSA_MASK_SELECTED_CASES.values()), ids=list(QSA_MASK_SELECTED_CASES))
 def test_the_mask_at_the_selected_cells_gives_the_pins_output(qwen4exp_8l, text, extra):
     pin, _ = run(qwen4exp_8l, text, PIN, extra)
     sel, _ = run(qwen4exp_8l, text, {}, extra)
@@ -62,8 +48,8 @@ def test_the_mask_at_the_selected_cells_gives_the_pins_output(qwen4exp_8l, text,
 
 
 def test_the_block_level_with_the_device_mask_never_builds_the_full_mask(qwen4exp_8l, text):
-    extra = ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
+    extra = QSA_MASK_SELECTED_CASES["device-block"]
     _, pin_log = run(qwen4exp_8l, text, {**PIN, **TIMED}, extra)
     _, log = run(qwen4exp_8l, text, TIMED, extra)
-    assert full_mask_ops(pin_log), "the pin's graph builds the mask: the check below would see it"
-    assert full_mask_ops(log) == []
+    assert full_kq_mask_ops(pin_log, "CPU", 64), "the pin's graph builds the mask: the check below would see it"
+    assert full_kq_mask_ops(log, "CPU", 64) == []

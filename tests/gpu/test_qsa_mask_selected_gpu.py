@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import complete, logprobs, op_shape, op_time_reports, real_text
+from moe_cache_checks import QSA_MASK_SELECTED_CASES, complete, full_kq_mask_ops, logprobs, real_text
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -35,12 +35,7 @@ def run(model, text, env, extra):
         return outs, srv.log_text()
 
 
-@pytest.mark.parametrize("extra", [
-    ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"],
-    ["--qsa-sparse", "--kq-mask-device"],
-    ["--qsa-sparse"],
-    ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk", "-ctk", "q8_0", "-ctv", "q8_0"],
-], ids=["device-block", "device-cell", "host", "device-block-q8_0"])
+@pytest.mark.parametrize("extra", list(QSA_MASK_SELECTED_CASES.values()), ids=list(QSA_MASK_SELECTED_CASES))
 def test_the_mask_at_the_selected_cells_on_cuda_gives_the_pins_output(qwen4exp_8l, text, extra):
     pin, _ = run(qwen4exp_8l, text, PIN, extra)
     sel, _ = run(qwen4exp_8l, text, {}, extra)
@@ -51,14 +46,8 @@ def test_the_mask_at_the_selected_cells_on_cuda_gives_the_pins_output(qwen4exp_8
 
 
 def test_no_full_mask_on_cuda_with_the_block_level(qwen4exp_8l, text):
-    def full_mask_ops(log):
-        return [e for r in op_time_reports(log) if r["backend"] == "CUDA0" and r["tokens"] == 64
-                and any("qsa_topk_blocks" in e for e in r["rows"]) for e in r["rows"]
-                if (e.startswith("LOG ") or e.startswith("CPY attn_inp_kq_mask")) and op_shape(e)[0] % 256 == 0
-                and op_shape(e)[1] == 64]
-
-    extra = ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
+    extra = QSA_MASK_SELECTED_CASES["device-block"]
     _, pin_log = run(qwen4exp_8l, text, {**PIN, **TIMED}, extra)
     _, log = run(qwen4exp_8l, text, TIMED, extra)
-    assert full_mask_ops(pin_log)
-    assert full_mask_ops(log) == []
+    assert full_kq_mask_ops(pin_log, "CUDA0", 64)
+    assert full_kq_mask_ops(log, "CUDA0", 64) == []
