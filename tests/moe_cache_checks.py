@@ -36,6 +36,14 @@ def logprobs(out):
     return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
 
 
+def assert_same_outputs(ref, outs):
+    """Each completion's tokens and top log-probabilities equal the reference's bit for bit."""
+    assert len(ref) == len(outs)
+    for a, b in zip(ref, outs):
+        assert a["tokens"] == b["tokens"]
+        assert logprobs(a) == logprobs(b)  # exact
+
+
 def max_logprob_diff(a, b):
     """Largest difference of the chosen token's log-probability; the chosen tokens must agree."""
     d = 0.0

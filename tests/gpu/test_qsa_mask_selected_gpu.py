@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import QSA_MASK_SELECTED_CASES, complete, full_kq_mask_ops, logprobs, real_text
+from moe_cache_checks import QSA_MASK_SELECTED_CASES, assert_same_outputs, complete, full_kq_mask_ops, real_text
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -40,9 +40,7 @@ def test_the_mask_at_the_selected_cells_on_cuda_gives_the_pins_output(qwen4exp_8
     pin, _ = run(qwen4exp_8l, text, PIN, extra)
     sel, _ = run(qwen4exp_8l, text, {}, extra)
     assert sel[0]["tokens_evaluated"] > 1000 and sel[1]["tokens_cached"] > 1000
-    for a, b in zip(pin, sel):
-        assert a["tokens"] == b["tokens"]
-        assert logprobs(a) == logprobs(b)  # exact
+    assert_same_outputs(pin, sel)
 
 
 def test_no_full_mask_on_cuda_with_the_block_level(qwen4exp_8l, text):
