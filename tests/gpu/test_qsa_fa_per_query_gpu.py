@@ -3,8 +3,10 @@
 The pin's CUDA flash attention gathers, for a batch with a sparse mask, the union of each 8 queries'
 selected cells; with --qsa-sparse the masked attention sets the per-query hint (patch 0054), so each query
 gathers its own. The sparse variants exist for heads of 256 with 8 query heads per KV head, so the model is
-tiny-qwen4exp with qwen4exp's attention heads (16 of 256, 2 KV); a ~9k-token prompt in ubatches of 256
-reaches the depth (4096 cells) where flash attention gathers. Greedy tokens equal the pin's masked path,
+tiny-qwen4exp with qwen4exp's attention heads (16 of 256, 2 KV) and a top-k of 256 cells: with the tiny
+preset's 8, a 256-token ubatch's selections (2048 rows) are fewer than the cells past 2048, and
+--qsa-sparse gathers them instead of masking. A ~8.4k-token prompt in ubatches of 256 reaches the depth
+(4096 cells and 16 top-k widths) where flash attention gathers. Greedy tokens equal the pin's masked path,
 log-probabilities within device rounding; CUDA logs the first batch that takes the one-query variant, and
 GGML_CUDA_FA_SPARSE_PER_QUERY=0 keeps the union.
 
@@ -29,9 +31,10 @@ ARGS = ["-t", "8", "-c", "16384", "-np", "1", "-ngl", "99", "-fa", "on", "-b", "
 
 @pytest.fixture(scope="module")
 def model(moecache_cache_dir):
-    preset = dataclasses.replace(synth.get_preset("tiny-qwen4exp"), name="tiny-qwen4exp-h256",
-                                 n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=16384)
-    path = moecache_cache_dir / "models" / "tiny-qwen4exp-h256-seed0.gguf"
+    preset = dataclasses.replace(synth.get_preset("tiny-qwen4exp"), name="tiny-qwen4exp-h256-k256",
+                                 n_head=16, n_head_kv=2, head_dim=256, n_ctx_train=16384,
+                                 indexer_top_k=256)
+    path = moecache_cache_dir / "models" / "tiny-qwen4exp-h256-k256-seed0.gguf"
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         synth.write_model(path, preset=preset, seed=0, progress=False, threads=8)
