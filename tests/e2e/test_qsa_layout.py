@@ -84,3 +84,32 @@ def test_two_sequences_in_one_unified_stream_and_five_streams_agree(qwen4exp_8l,
             assert CHECKED in srv.log_text()
         for a, b in zip(solo, together):
             assert a["tokens"] == b["tokens"]
+
+
+BUILT = "llama_qsa_layout: built over"
+
+
+def test_a_growing_window_and_a_cut_tail_update_the_layout_in_place(qwen4exp_8l, text):
+    """Patch 0056: a prompt ubatch's larger window (n_kv) used to rebuild the layout over every cell, and
+    so did a request's cut of the slot's tail (a full block losing a cell); now the layout takes the new
+    cells and drops only the cut blocks' ids. Under LLAMA_QSA_LAYOUT_CHECK=1 and bit for bit against the
+    rebuilds (LLAMA_QSA_LAYOUT_INCREMENTAL=0), with the layout built once where it was built on every
+    ubatch that grew the window."""
+    reqs = [
+        {"prompt": text[:6000], "n_predict": 16, "cache_prompt": True},
+        {"prompt": text[:7000], "n_predict": 16, "cache_prompt": True},  # cuts the first one's tokens
+        {"prompt": text[:7000] + text[8000:8600], "n_predict": 16, "cache_prompt": True},  # cuts the second's
+    ]
+    args = server_args() + ["-lv", "5"]  # the build lines are debug lines
+    checked = {"LLAMA_QSA_LAYOUT_CHECK": "1"}
+    fast, log = run(qwen4exp_8l, checked, reqs, args=args)
+    rebuilt, rebuilt_log = run(qwen4exp_8l, {**checked, "LLAMA_QSA_LAYOUT_INCREMENTAL": "0"}, reqs, args=args)
+    assert CHECKED in log and CHECKED in rebuilt_log
+    assert fast[1]["tokens_cached"] > 1000 and fast[2]["tokens_cached"] > 1000
+    # built where the memory was cleared (the warm-up's decode, a prompt from position 0) and nowhere else
+    resets = 2 + log.count("memory_seq_rm [0, end)")
+    assert 1 <= log.count(BUILT) <= resets, (log.count(BUILT), resets)
+    assert rebuilt_log.count(BUILT) > resets + 8, rebuilt_log.count(BUILT)
+    for a, b in zip(rebuilt, fast):
+        assert a["tokens"] == b["tokens"]
+        assert logprobs(a) == logprobs(b)  # exact
