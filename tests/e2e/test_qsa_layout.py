@@ -6,7 +6,9 @@ LLAMA_QSA_LAYOUT_CHECK=1 builds the grouped layout too and aborts on any differe
 that completes under it is a request on which the two agreed on every ubatch: a deep prompt in
 ubatches of 16, a prompt extended from the cache, one that leaves it, one cleared slot, two
 sequences in one unified stream (the grouped scan's case) and five streams at once.
-LLAMA_QSA_LAYOUT_FAST=0 is the pin's path: the output is the same bit for bit.
+LLAMA_QSA_LAYOUT_FAST=0 is the pin's path: the output is the same bit for bit. Under the same switch, each
+in-place update of the layout (patch 0056: a grown window, a cut of the tail) is compared with a rebuild
+from the cells, field by field, and aborts on any difference.
 """
 
 from __future__ import annotations
