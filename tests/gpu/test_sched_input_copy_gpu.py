@@ -1,0 +1,48 @@
+"""The scheduler's batched input copies (patch 0057) on CUDA: the host's inputs of a CUDA split go as
+asynchronous copies on the backend's stream between one wait before and one after. The output is
+the same bit for bit as with one synchronous copy each (GGML_SCHED_INPUT_COPY_BATCH=0), on the demo
+model with its experts on the CPU (a hybrid graph: CPU splits between CUDA ones) and on the tiny
+qwen4exp with QSA's inputs and the device mask, and the batch's debug line names CUDA0.
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cache_checks import PROMPTS, assert_same_outputs, complete, real_text
+from moecache import synth
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+BASE = ["-t", "8", "-c", "4096", "-np", "1", "-ngl", "99", "-fa", "on", "-b", "256", "-ub", "64", "-lv", "5"]
+ARGS = {"demo": ["-ot", "exps=CPU"], "tiny-qwen4exp": ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]}
+LONG = real_text(1500, 4000)
+BATCHED = "copied in one batch"
+
+
+@pytest.fixture(scope="module")
+def models(moecache_cache_dir, tmp_path_factory):
+    demo = moecache_cache_dir / "models" / synth.cached_model_name("demo", seed=0)
+    demo.parent.mkdir(parents=True, exist_ok=True)
+    if not demo.exists():
+        synth.write_model(demo, preset="demo", seed=0, progress=False)
+    q4 = synth.write_model(tmp_path_factory.mktemp("inputcopy") / "tiny-qwen4exp.gguf", preset="tiny-qwen4exp",
+                           seed=0, progress=False)
+    return {"demo": demo, "tiny-qwen4exp": q4}
+
+
+@pytest.mark.parametrize("name", ["demo", "tiny-qwen4exp"])
+def test_batched_input_copies_on_cuda_leave_the_output_bit_identical(models, name):
+    runs = []
+    for env in ({}, {"GGML_SCHED_INPUT_COPY_BATCH": "0"}):
+        with ServerProcess(models[name], args=BASE + ARGS[name], env=env, timeout=300) as srv:
+            outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
+            runs.append((outs, srv.log_text()))
+    (batched, log_batched), (one_by_one, log_one) = runs
+    lines = [ln for ln in log_batched.splitlines() if BATCHED in ln]
+    assert lines and "CUDA0" in lines[0], lines
+    assert BATCHED not in log_one
+    assert_same_outputs(one_by_one, batched)
