@@ -8,7 +8,8 @@ tail), or every block id of its window where more did. Through requests that edi
 way the server does (a deep prompt in ubatches, a shared prefix with the tail cut and rewritten, a
 different prompt, decode past window growth, two slots), the output must equal LLAMA_QSA_TABLES=0's
 (the inputs written whole each ubatch) bit for bit, also where every second graph's write is taken as
-not run (LLAMA_QSA_TABLES_DROP_CONFIRM=2). LLAMA_QSA_TABLES_CHECK=1 compares the tables with a full
+not run (LLAMA_QSA_TABLES_DROP_CONFIRM=2) and where the tables cannot be allocated (LLAMA_DEV_TABLE_FAIL_ALLOC=1:
+a warning, and the inputs as before). LLAMA_QSA_TABLES_CHECK=1 compares the tables with a full
 write's values after every graph (the CPU's tables are in host memory) and aborts on a difference, so
 concurrent requests, which cannot be compared with another run, are checked too.
 """
@@ -73,3 +74,12 @@ def test_two_streams_in_one_graph_keep_their_tables(qwen4exp_8l):
     outs, log = run(qwen4exp_8l, CHECK, 2, concurrent=True)
     assert DELTA in log and CHECKED in log
     assert all(len(o["tokens"]) == n for o, (_, n) in zip(outs, REQUESTS))
+
+
+def test_tables_that_cannot_be_allocated_leave_the_inputs(qwen4exp_8l):
+    """LLAMA_DEV_TABLE_FAIL_ALLOC=1 (fault injection): no table can be had; the server warns, starts and
+    answers as with the tables off."""
+    ref, _ = run(qwen4exp_8l, {"LLAMA_QSA_TABLES": "0"})
+    out, log = run(qwen4exp_8l, {"LLAMA_DEV_TABLE_FAIL_ALLOC": "1"})
+    assert "could not allocate the table qsa_blk_cells" in log and DELTA not in log
+    same(ref, out)
