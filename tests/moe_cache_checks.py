@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 import re
 from pathlib import Path
 
@@ -30,6 +31,16 @@ def complete(srv, prompt, n_predict=32, **extra):
     status, out = srv.post("/completion", body, timeout=300)
     assert status == 200, out
     return out
+
+
+def complete_requests(srv, requests, n_parallel=1, concurrent=False):
+    """Greedy completions of (prompt, n_predict) pairs with the prompt cache on: one after the other
+    (with several slots, on the slots in turn), or n_parallel at a time."""
+    if not concurrent:
+        return [complete(srv, p, n_predict=n, cache_prompt=True, id_slot=i % n_parallel)
+                for i, (p, n) in enumerate(requests)]
+    with ThreadPoolExecutor(n_parallel) as pool:
+        return list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], cache_prompt=True), requests))
 
 
 def logprobs(out):

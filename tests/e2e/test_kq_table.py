@@ -17,11 +17,9 @@ falls and so cannot be compared with another run, are checked too.
 
 from __future__ import annotations
 
-import concurrent.futures as concurrent_futures
-
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, logprobs, real_text
+from moe_cache_checks import PROMPTS, assert_same_outputs, complete_requests, real_text
 from moecache.server import ServerProcess
 
 LONG = real_text(1200, 6000)
@@ -50,20 +48,7 @@ def run(model, args, env, n_parallel=1, concurrent=False):
         long = body["tokens"][:N_LONG]
         prompts = {"long": long, "long+": long + body["tokens"][N_LONG + 1:N_LONG + 16]}
         requests = [(prompts.get(p, p), n) for p, n in REQUESTS]
-        if not concurrent:
-            outs = [complete(srv, p, n_predict=n, cache_prompt=True, id_slot=i % n_parallel)
-                    for i, (p, n) in enumerate(requests)]
-        else:
-            with concurrent_futures.ThreadPoolExecutor(n_parallel) as pool:
-                outs = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], cache_prompt=True), requests))
-        return outs, srv.log_text()
-
-
-def same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x["tokens"] == y["tokens"]
-        assert logprobs(x) == logprobs(y)  # exact
+        return complete_requests(srv, requests, n_parallel, concurrent), srv.log_text()
 
 
 @pytest.fixture(params=["qwen3moe", "qwen4exp"])
@@ -77,7 +62,7 @@ def test_the_kept_positions_give_the_output_of_the_whole_input(model, n_parallel
     ref, ref_log = run(path, ARGS[name], {"LLAMA_KQ_TABLE": "0"}, n_parallel)
     out, log = run(path, ARGS[name], CHECK, n_parallel)
     assert DELTA in log and CHECKED in log and DELTA not in ref_log
-    same(ref, out)
+    assert_same_outputs(ref, out)
 
 
 def test_two_streams_in_one_graph_keep_their_positions(model):
@@ -94,11 +79,11 @@ def test_a_write_taken_as_not_run_is_written_again(model):
     ref, _ = run(path, ARGS[name], {"LLAMA_KQ_TABLE": "0"})
     out, log = run(path, ARGS[name], {"LLAMA_KQ_TABLE_DROP_CONFIRM": "2"})
     assert DELTA in log
-    same(ref, out)
+    assert_same_outputs(ref, out)
 
 
 def test_a_table_that_cannot_be_allocated_leaves_the_input(tiny_model):
     ref, _ = run(tiny_model, ARGS["qwen3moe"], {"LLAMA_KQ_TABLE": "0"})
     out, log = run(tiny_model, ARGS["qwen3moe"], {"LLAMA_DEV_TABLE_FAIL_ALLOC": "1"})
     assert NO_TABLE in log and DELTA not in log
-    same(ref, out)
+    assert_same_outputs(ref, out)

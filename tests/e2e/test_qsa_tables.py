@@ -16,11 +16,9 @@ concurrent requests, which cannot be compared with another run, are checked too.
 
 from __future__ import annotations
 
-import concurrent.futures as concurrent_futures
-
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, logprobs, real_text
+from moe_cache_checks import PROMPTS, assert_same_outputs, complete_requests, real_text
 from moecache.server import ServerProcess
 
 LONG = real_text(1500, 9000)
@@ -39,20 +37,7 @@ def run(model, env, n_parallel=1, concurrent=False):
         toks = body["tokens"]
         prompts = {"long": toks[:1500], "long+": toks[:1500] + toks[1501:1530], "mid": toks[300:1200]}
         requests = [(prompts.get(p, p), n) for p, n in REQUESTS]
-        if not concurrent:
-            outs = [complete(srv, p, n_predict=n, cache_prompt=True, id_slot=i % n_parallel)
-                    for i, (p, n) in enumerate(requests)]
-        else:
-            with concurrent_futures.ThreadPoolExecutor(n_parallel) as pool:
-                outs = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], cache_prompt=True), requests))
-        return outs, srv.log_text()
-
-
-def same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert x["tokens"] == y["tokens"]
-        assert logprobs(x) == logprobs(y)  # exact
+        return complete_requests(srv, requests, n_parallel, concurrent), srv.log_text()
 
 
 @pytest.mark.parametrize("n_parallel", [1, 2], ids=["one-slot", "two-slots"])
@@ -60,14 +45,14 @@ def test_the_block_tables_give_the_output_of_the_whole_inputs(qwen4exp_8l, n_par
     ref, ref_log = run(qwen4exp_8l, {"LLAMA_QSA_TABLES": "0"}, n_parallel)
     out, log = run(qwen4exp_8l, CHECK, n_parallel)
     assert DELTA in log and CHECKED in log and DELTA not in ref_log
-    same(ref, out)
+    assert_same_outputs(ref, out)
 
 
 def test_a_write_taken_as_not_run_is_written_again(qwen4exp_8l):
     ref, _ = run(qwen4exp_8l, {"LLAMA_QSA_TABLES": "0"})
     out, log = run(qwen4exp_8l, {**CHECK, "LLAMA_QSA_TABLES_DROP_CONFIRM": "2"})
     assert DELTA in log
-    same(ref, out)
+    assert_same_outputs(ref, out)
 
 
 def test_two_streams_in_one_graph_keep_their_tables(qwen4exp_8l):
@@ -82,4 +67,4 @@ def test_tables_that_cannot_be_allocated_leave_the_inputs(qwen4exp_8l):
     ref, _ = run(qwen4exp_8l, {"LLAMA_QSA_TABLES": "0"})
     out, log = run(qwen4exp_8l, {"LLAMA_DEV_TABLE_FAIL_ALLOC": "1"})
     assert "could not allocate the table qsa_blk_cells" in log and DELTA not in log
-    same(ref, out)
+    assert_same_outputs(ref, out)

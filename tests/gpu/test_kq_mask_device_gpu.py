@@ -12,7 +12,6 @@ import re
 import pytest
 
 from moe_cache_checks import PROMPTS, complete, logprobs, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -23,14 +22,8 @@ LONG = real_text(1500, 4000)
 
 
 @pytest.fixture(scope="module")
-def models(moecache_cache_dir, tmp_path_factory):
-    demo = moecache_cache_dir / "models" / synth.cached_model_name("demo", seed=0)
-    demo.parent.mkdir(parents=True, exist_ok=True)
-    if not demo.exists():
-        synth.write_model(demo, preset="demo", seed=0, progress=False)
-    q4 = synth.write_model(tmp_path_factory.mktemp("kqmask") / "tiny-qwen4exp.gguf", preset="tiny-qwen4exp",
-                           seed=0, progress=False)
-    return {"demo": demo, "tiny-qwen4exp": q4}
+def models(demo_and_qwen4exp):
+    return demo_and_qwen4exp
 
 
 @pytest.mark.parametrize("name", ["demo", "tiny-qwen4exp"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 
 from moe_cache_checks import PROMPTS, assert_same_outputs, complete, real_text
-from moecache import synth
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -27,14 +26,8 @@ DELTA = "the device's cell positions written where edited"
 
 
 @pytest.fixture(scope="module")
-def models(moecache_cache_dir, tmp_path_factory):
-    demo = moecache_cache_dir / "models" / synth.cached_model_name("demo", seed=0)
-    demo.parent.mkdir(parents=True, exist_ok=True)
-    if not demo.exists():
-        synth.write_model(demo, preset="demo", seed=0, progress=False)
-    q4 = synth.write_model(tmp_path_factory.mktemp("kqtable") / "tiny-qwen4exp.gguf", preset="tiny-qwen4exp",
-                           seed=0, progress=False)
-    return {"demo": demo, "tiny-qwen4exp": q4}
+def models(demo_and_qwen4exp):
+    return demo_and_qwen4exp
 
 
 def run(model, args, env):
