@@ -1382,6 +1382,42 @@ def test_depth_cases_get_their_own_tables_and_ratios():
     assert "The 5,000 cached tokens, prefilled from an empty slot: stock 50.0 t/s; fast 100 t/s." in text
 
 
+def depth_rows(fills: dict, news: dict, arm: str = "stock") -> list[dict]:
+    return [{"arm": arm, "prompt": "code", "length": 512, "users": 1, "depth": d,
+             "prefill_tps": stats.summarize(news[d]), "depth_fill": {"tokens": d, "prefill_tps": fills[d], "warm": True}}
+            for d in fills]
+
+
+def test_prefill_against_depth_gives_both_measures_deepest_over_shallowest():
+    run = fake_run()
+    run["results"] = (depth_rows({5000: 7000.0, 50000: 6500.0, 250000: 6300.0},
+                                 {5000: [5000, 5400, 5200], 50000: [4800], 250000: [4100, 3900, 4000]})
+                      + depth_rows({5000: 6000.0, 250000: 2000.0}, {5000: [4000.0], 250000: [1000.0]}, arm="pin"))
+    text = report.render_markdown(run)
+    assert "## Prefill against depth" in text
+    assert ("| stock | `code` | 5,000: 7000 / 50,000: 6500 / 250,000: 6300 | 0.90 "
+            "| 5,000: 5200 / 50,000: 4800 / 250,000: 4000 | 0.77 |") in text
+    assert "| pin | `code` | 5,000: 6000 / 250,000: 2000 | 0.33 | 5,000: 4000 / 250,000: 1000 | 0.25 |" in text
+    assert "so no fill pays the server's first request" in text
+
+
+def test_prefill_against_depth_needs_two_depths():
+    run = fake_run()
+    run["results"] = depth_rows({5000: 7000.0}, {5000: [5000.0]})
+    assert "## Prefill against depth" not in report.render_markdown(run)
+
+
+def test_warm_before_fill_shares_no_first_token_with_the_depth():
+    srv = FillServer()
+    deep = runner.DepthPrompts([7, 7, 8, 9], depth=6, length=4)
+    runner.warm_before_fill(srv, deep, 5, True)
+    [(path, body)] = srv.posts
+    assert path == "/completion" and body["prompt"] == [8, 9, 7, 7, 8] and body["cache_prompt"] is False
+    srv = FillServer()
+    runner.warm_before_fill(srv, runner.DepthPrompts([7], depth=6, length=4), 5, True)
+    assert srv.posts == []  # one repeated token: nothing can avoid the fill's prefix
+
+
 # --------------------------------------------------------------------------- depth_fill
 
 
@@ -1496,6 +1532,11 @@ def test_runner_fills_every_slot_or_copies_slot_0(tmp_path, fake_server_bin, cap
     path = write_scenario(tmp_path, DEEP_USERS)
     assert bench.main([str(path), "--out", str(out), "--arms", "base"]) == 0
     assert _fills(fake_server_bin) == [0, 1, 2] * 2  # every slot prefilled, for each length
+    prompts = [c["prompt"] for c in map(json.loads, fake_server_bin.read_text().splitlines()) if "prompt" in c]
+    first_fill = next(i for i, p in enumerate(prompts) if len(p) == 300)
+    # one warm-up request before the first fill only, on tokens that do not start as the depth does
+    assert len(prompts[first_fill - 1]) == 16 and prompts[first_fill - 1][0] != prompts[first_fill][0]
+    assert all(json.loads(js.read_text())["results"][0]["depth_fill"]["warm"] for js in out.glob("*.json"))
     fake_server_bin.write_text("")
 
     monkeypatch.setenv("FAKE_SLOT_COPY", "1")

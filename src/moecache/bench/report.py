@@ -323,6 +323,51 @@ def _copy_note(fill: dict) -> str:
     return f" in slot 0, then {others} got slot 0's cache copied ({_fmt_ms(fill.get('copy_ms'))} ms)"
 
 
+def _depth_lines(run: dict) -> list[str]:
+    """Prefill against depth, per arm and prompt with two or more depths, by two measures: the whole
+    prompt from an empty slot (the depth fill: how the public fork and its upstream figures measured
+    "prefill at 250k") and the request's new tokens on top of the cached depth (the stricter one).
+    Each ratio is the deepest depth's rate over the shallowest's, both from this run."""
+    groups: dict[tuple[str, str, int | None], dict[int, dict]] = {}
+    for r in run["results"]:
+        depth = r.get("depth", 0)
+        if not depth or r.get("error"):
+            continue
+        users = min(x.get("users", 1) for x in run["results"]
+                    if x["arm"] == r["arm"] and x["prompt"] == r["prompt"] and x.get("depth", 0) == depth)
+        if r.get("users", 1) == users:
+            groups.setdefault((r["arm"], r["prompt"], r["length"]), {})[depth] = r
+    groups = {k: v for k, v in groups.items() if len(v) >= 2}
+    if not groups:
+        return []
+    lines = ["## Prefill against depth", "",
+             "Two measures per arm, each the deepest depth's rate over the shallowest's from this run "
+             "(1.00 is flat). Whole prompt: the depth itself prefilled from an empty slot, one request "
+             "per depth (the public fork's method: `cache_prompt` off, the prompt's own rate). New tokens: "
+             "the case's request on top of the cached depth, the median of its repetitions (the stricter "
+             "measure: every new token attends over the whole depth).", "",
+             "| arm | prompt | whole prompt t/s by depth | whole prompt ratio | new tokens t/s by depth "
+             "| new tokens ratio |",
+             "| --- | --- | --- | ---: | --- | ---: |"]
+    for (arm, prompt, _), by_depth in groups.items():
+        depths = sorted(by_depth)
+        fills = [(by_depth[d].get("depth_fill") or {}).get("prefill_tps") for d in depths]
+        news = [(by_depth[d].get("prefill_tps") or {}).get("median") for d in depths]
+
+        def ratio(v: list) -> str:
+            return "-" if v[0] in (None, 0) or v[-1] is None else f"{v[-1] / v[0]:.2f}"
+
+        def by(v: list) -> str:
+            return " / ".join(f"{d:,}: {_fmt_num(x)}" for d, x in zip(depths, v))
+        lines.append(f"| {_md_cell(arm)} | `{_md_cell(prompt)}` | {by(fills)} | {ratio(fills)} | {by(news)} "
+                     f"| {ratio(news)} |")
+    warm = [(r.get("depth_fill") or {}).get("warm") for r in run["results"] if r.get("depth")]
+    if warm and all(warm):
+        lines += ["", "Each arm ran one request of the prompt's length on other tokens before its first fill, so "
+                      "no fill pays the server's first request."]
+    return lines + [""]
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
     levels = sc.get("users") or sorted({r.get("users", 1) for r in run["results"]})
@@ -489,6 +534,7 @@ def render_markdown(run: dict) -> str:
                     fills.append(f"{_md_cell(r['arm'])} {_fmt_num(f.get('prefill_tps'))} t/s{_copy_note(f)}")
             if fills:
                 lines += [f"The {depth:,} cached tokens, prefilled from an empty slot: " + "; ".join(fills) + ".", ""]
+    lines += _depth_lines(run)
     if swapped:
         lines += _swap_lines(run, concurrent)
     spec_rows = [r for r in run["results"] if not r.get("error") and r.get("speculation")]

@@ -380,6 +380,15 @@ def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: 
     return fill
 
 
+def warm_before_fill(srv: ServerProcess, deep: "DepthPrompts", n: int, ignore_eos: bool) -> None:
+    """One request of n tokens of the depth's text that share no first token with the depth, so the fill
+    after it reuses nothing and the fill's rate is a warm server's prefill of the whole depth."""
+    start = next((i for i, t in enumerate(deep.text) if t != deep.prefix[0]), None)
+    if start is None:
+        return  # a text of one repeated token: any request would share the fill's prefix
+    measure_completion(srv, deep._stream(start, n), 1, ignore_eos)
+
+
 def prefill_slot(srv: ServerProcess, prefix: list[int], slot: int, ignore_eos: bool) -> dict:
     """Prefill `prefix` into `slot` (prompt caching on, one token decoded); the server's timings."""
     status, body = srv.post("/completion", _request_body(prefix, 1, ignore_eos, stream=False, depth=len(prefix),
@@ -834,6 +843,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                         f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
                         f"requests at once (the others would wait in a queue). Fix: add \"-np\", "
                         f"\"{max(sc.users)}\" to server_args (and a -c that holds that many prompts).")
+                filled_once = False
                 for ps, n, depth in cases:
                     rows = [case_row(arm.name, ps, n, depth, users, samples=[]) for users in sc.users]
                     run["results"].extend(rows)
@@ -855,7 +865,12 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                 f"({len(tokens)} tokens) plus max_tokens needs {sc.needed_context(len(tokens))}. "
                                 f"Fix: add \"-c\", \"{sc.needed_context(len(tokens))}\" to server_args.")
                         if depth:
+                            if sc.warmup and not filled_once:
+                                # the first fill would otherwise also pay the server's first request
+                                warm_before_fill(srv, deep, n or 512, sc.ignore_eos)
+                            filled_once = True
                             fill = fill_depth(srv, deep.prefix, max(sc.users), sc.ignore_eos, sc.depth_fill)
+                            fill["warm"] = bool(sc.warmup)
                             copied = (f", the others copied from it in {_fmt(fill['copy_ms'], ' ms')}"
                                       if "copy_ms" in fill else "")
                             say(f"  {ps.name} depth {depth}: cached in {fill['slots']} slot(s), the first at "
