@@ -325,6 +325,15 @@ LONG_CONTEXT_OPTIONS: dict[str, FeatureOption] = {
 }
 
 
+# several devices (issue 13): switches of the layer split
+MULTI_GPU_OPTIONS: dict[str, FeatureOption] = {
+    "pp_overrides": FeatureOption(
+        "--pp-overrides", "LLAMA_ARG_PP_OVERRIDES", (), False, None, None,
+        "keep pipeline parallelism with tensor overrides that put no weight on the host for a GPU op to copy",
+        boolean=True),
+}
+
+
 def _range_text(minimum: int | None, maximum: int | None) -> str:
     if maximum is None or maximum == _INT32_MAX:
         return f" >= {minimum}"
@@ -403,6 +412,11 @@ def _prefill_swap_options(kwargs=None, environ=None) -> dict:
 def _long_context_options(kwargs=None, environ=None) -> dict:
     """The checked long-context attention settings of a context (see _feature_options)."""
     return _feature_options(LONG_CONTEXT_OPTIONS, "long-context", kwargs, environ)
+
+
+def _multi_gpu_options(kwargs=None, environ=None) -> dict:
+    """The checked settings of a layer split over several devices (see _feature_options)."""
+    return _feature_options(MULTI_GPU_OPTIONS, "multi-GPU", kwargs, environ)
 
 #
 # model, context, generation
@@ -599,6 +613,10 @@ class Context:
     decide it (LLAMA_ARG_KQ_MASK_DEVICE). `qsa_block_topk` makes the QSA layers rank their blocks first and
     then only the chosen blocks' cells, which selects the cells the ranking of every cell does (ties at
     the cut to the lowest cells) where the cache layout allows it (LLAMA_ARG_QSA_BLOCK_TOPK).
+
+    Several devices (off by default, MULTI_GPU_OPTIONS): `pp_overrides` keeps pipeline parallelism of a
+    layer split when the model has tensor overrides, as long as none puts a weight on the host that a GPU
+    op would copy per ubatch (LLAMA_ARG_PP_OVERRIDES); upstream turns it off for any override.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -612,7 +630,7 @@ class Context:
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
                  qsa_sparse: bool | None = None, kq_mask_device: bool | None = None,
-                 qsa_block_topk: bool | None = None):
+                 qsa_block_topk: bool | None = None, pp_overrides: bool | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -646,9 +664,11 @@ class Context:
         })
         long_context = _long_context_options({"qsa_sparse": qsa_sparse, "kq_mask_device": kq_mask_device,
                                               "qsa_block_topk": qsa_block_topk})
+        multi_gpu = _multi_gpu_options({"pp_overrides": pp_overrides})
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
-                                  flash_attn=flash_attn, **moe_cache, **prefill_swap, **long_context)
+                                  flash_attn=flash_attn, **moe_cache, **prefill_swap, **long_context,
+                                  **multi_gpu)
         self.n_ctx = self._c.n_ctx
         self.n_batch = self._c.n_batch
         self.n_ubatch = self._c.n_ubatch
@@ -656,6 +676,7 @@ class Context:
         self.flash_attn = flash_attn
         self.moe_cache_options = moe_cache  # the checked settings the context was made with
         self.long_context_options = long_context
+        self.multi_gpu_options = multi_gpu
         self.expert_cache = ExpertCache(self._c, model, moe_cache)
         self.prefill_swap = PrefillSwap(self._c, prefill_swap)
         self.routing_trace_path: str | None = None  # where record_routing writes, while it does

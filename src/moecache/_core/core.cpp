@@ -573,7 +573,8 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
                                                     int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore,
-                                                    bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk) {
+                                                    bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
+                                                    bool pp_overrides) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -613,6 +614,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.qsa_sparse = qsa_sparse;
     params.kq_mask_device = kq_mask_device;
     params.qsa_block_topk = qsa_block_topk;
+    params.pp_overrides = pp_overrides;
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -1272,7 +1274,8 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
-             py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false)
+             py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false,
+             py::arg("pp_overrides") = false)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
