@@ -43,6 +43,23 @@ def complete_requests(srv, requests, n_parallel=1, concurrent=False):
         return list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], cache_prompt=True), requests))
 
 
+def server_help(llama_server_bin) -> str:
+    """llama-server's --help text."""
+    import subprocess
+
+    return subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=60).stdout
+
+
+def assert_options_in_help(help_text: str, table) -> None:
+    """Every flag and LLAMA_ARG_ variable of an option table (api.*_OPTIONS), and the --no- form of its
+    boolean flags, are in the help."""
+    for option in table.values():
+        assert option.flag in help_text and option.env in help_text, option.flag
+        if option.boolean:
+            assert "--no-" + option.flag[2:] in help_text, option.flag
+
+
 def logprobs(out):
     return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cache_checks import PROMPTS, assert_same_outputs, complete
+from moe_cache_checks import PROMPTS, assert_options_in_help, assert_same_outputs, complete, server_help
 from moecache.server import ServerProcess
 
 PP_ON = "pipeline parallelism enabled"
@@ -60,15 +60,9 @@ def test_the_switch_reads_its_environment_variable(tiny_model, rpc_servers):
 
 
 def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
-    import subprocess
-
     from moecache import api
 
-    out = subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=60).stdout
-    for option in api.MULTI_GPU_OPTIONS.values():
-        assert option.flag in out and option.env in out, option.flag
-    assert "--no-pp-overrides" in out
+    assert_options_in_help(server_help(llama_server_bin), api.MULTI_GPU_OPTIONS)
 
 
 def test_the_python_api_takes_it(core, tiny_model, monkeypatch):

@@ -17,8 +17,7 @@ import time
 
 import pytest
 
-from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs
-import subprocess
+from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs, server_help
 
 from moecache.server import ServerError, ServerProcess
 
@@ -176,8 +175,7 @@ def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bi
 
 
 def test_flags_have_help_and_variables_with_the_public_names(llama_server_bin):
-    out = subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=60).stdout
+    out = server_help(llama_server_bin)
     for flag, env in [("--prefill-ubatch", "LLAMA_ARG_PREFILL_UBATCH"), ("--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS"),
                       ("--prefill-swap-mode", "LLAMA_ARG_PREFILL_SWAP_MODE"),
                       ("--prefill-warm-restore", "LLAMA_ARG_PREFILL_WARM_RESTORE")]:

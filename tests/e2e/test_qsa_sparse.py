@@ -11,11 +11,10 @@ greedy tokens and log-probabilities within float rounding, at a depth of ~2.5k t
 from __future__ import annotations
 
 import concurrent.futures
-import subprocess
 
 import pytest
 
-from moe_cache_checks import complete, max_logprob_diff, real_text
+from moe_cache_checks import assert_options_in_help, complete, max_logprob_diff, real_text, server_help
 from moecache import synth
 from moecache.server import ServerProcess
 
@@ -100,11 +99,7 @@ def test_five_concurrent_sessions_equal_their_solo_outputs(qwen4exp_8l):
 def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
     from moecache import api
 
-    out = subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=60).stdout
-    for option in api.LONG_CONTEXT_OPTIONS.values():
-        assert option.flag in out and option.env in out, option.flag
-    assert "--no-qsa-sparse" in out
+    assert_options_in_help(server_help(llama_server_bin), api.LONG_CONTEXT_OPTIONS)
 
 
 def test_the_python_api_turns_it_on(core, qwen4exp_8l, deep_prompt, monkeypatch):
