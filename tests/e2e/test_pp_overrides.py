@@ -11,9 +11,12 @@ device, bit for bit.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
-from moe_cache_checks import PROMPTS, assert_options_in_help, assert_same_outputs, complete, server_help
+from moe_cache_checks import (PROMPTS, assert_options_in_help, assert_same_outputs, complete, max_logprob_diff,
+                              server_help)
 from moecache.server import ServerProcess
 
 PP_ON = "pipeline parallelism enabled"
@@ -81,3 +84,22 @@ def test_the_python_api_takes_it(core, tiny_model, monkeypatch):
             by_env.multi_gpu_options["pp_overrides"]) == (True, False, True)
     a, b, c = (ctx.generate(PROMPTS[0], max_tokens=8, temperature=0.0) for ctx in (on, off, by_env))
     assert a.tokens == b.tokens == c.tokens
+
+
+def test_five_sessions_over_the_pipelined_split_equal_their_solo_runs(tiny_model, rpc_servers):
+    """Five requests at once over the layer split with the pipeline (-np 5, a KV stream each): multi-sequence
+    ubatches in flight on two devices. Each request's tokens equal its solo run on the same server; the
+    log-probabilities within the bound of a batch's other matmul shapes (as for five sessions elsewhere)."""
+    ports = rpc_servers(2)
+    args = ["-t", "2", "-c", "2560", "-np", "5", "-no-kvu", "-ngl", "99", "-ub", "32", "-lv", "4",
+            "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ot", "token_embd=CPU", "--pp-overrides"]
+    prompts = [PROMPTS[i % 2] * (i + 1) for i in range(5)]
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        solo = [complete(srv, p, n_predict=24) for p in prompts]
+        with ThreadPoolExecutor(5) as pool:
+            together = list(pool.map(lambda p: complete(srv, p, n_predict=24), prompts))
+        log = srv.log_text()
+    assert PP_ON in log
+    for a, b in zip(solo, together):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
