@@ -343,7 +343,7 @@ def _depth_lines(run: dict) -> list[str]:
     lines = ["## Prefill against depth", "",
              "Two measures per arm, each the deepest depth's rate over the shallowest's from this run "
              "(1.00 is flat). Whole prompt: the depth itself prefilled from an empty slot, one request "
-             "per depth (the public fork's method: `cache_prompt` off, the prompt's own rate). New tokens: "
+             "per depth, as the public fork measured prefill at depth (its requests with `cache_prompt` off). New tokens: "
              "the case's request on top of the cached depth, the median of its repetitions (the stricter "
              "measure: every new token attends over the whole depth).", "",
              "| arm | prompt | whole prompt t/s by depth | whole prompt ratio | new tokens t/s by depth "
