@@ -25,11 +25,14 @@ STAYS_OFF = "pipeline parallelism stays off: 3 tensor overrides put weights on t
 EXPERTS_ON_HOST = r"blk\.1\.ffn_.*_exps=CPU"
 
 
-def run(model, ports, *args, **env):
+def server_args(ports, *args, n_parallel=1, n_ctx=1024):
     rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports)] if ports else []
     # ubatches of 32 tokens: the prompts below take several, so ubatches overlap in the pipeline
-    server_args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "-ub", "32", "-lv", "4", *rpc, *args]
-    with ServerProcess(model, args=server_args, env=env, timeout=180) as srv:
+    return ["-t", "2", "-c", str(n_ctx), "-np", str(n_parallel), "-ngl", "99", "-ub", "32", "-lv", "4", *rpc, *args]
+
+
+def run(model, ports, *args, **env):
+    with ServerProcess(model, args=server_args(ports, *args), env=env, timeout=180) as srv:
         outs = [complete(srv, p * 4, n_predict=16) for p in PROMPTS]
         log = srv.log_text()
     return outs, log
@@ -90,9 +93,8 @@ def test_five_sessions_over_the_pipelined_split_equal_their_solo_runs(tiny_model
     """Five requests at once over the layer split with the pipeline (-np 5, a KV stream each): multi-sequence
     ubatches in flight on two devices. Each request's tokens equal its solo run on the same server; the
     log-probabilities within the bound of a batch's other matmul shapes (as for five sessions elsewhere)."""
-    ports = rpc_servers(2)
-    args = ["-t", "2", "-c", "2560", "-np", "5", "-no-kvu", "-ngl", "99", "-ub", "32", "-lv", "4",
-            "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ot", "token_embd=CPU", "--pp-overrides"]
+    args = server_args(rpc_servers(2), "-no-kvu", "-ot", "token_embd=CPU", "--pp-overrides", n_parallel=5,
+                       n_ctx=2560)
     prompts = [PROMPTS[i % 2] * (i + 1) for i in range(5)]
     with ServerProcess(tiny_model, args=args, timeout=180) as srv:
         solo = [complete(srv, p, n_predict=24) for p in prompts]

@@ -185,6 +185,12 @@ class DepthPrompts:
             out.extend(self.text[i:i + n - len(out)])
         return out
 
+    def unrelated(self, n: int) -> list[int]:
+        """n tokens of the text from its first token that differs from the prefix's first (so a request of
+        them shares no cached prefix with the depth); none for a text of one repeated token."""
+        start = next((i for i, t in enumerate(self.text) if t != self.prefix[0]), None)
+        return [] if start is None else self._stream(start, n)
+
     def request(self) -> list[int]:
         """The cached D tokens and the next new slice."""
         start = self.depth + self._next * self.length
@@ -383,10 +389,9 @@ def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: 
 def warm_before_fill(srv: ServerProcess, deep: "DepthPrompts", n: int, ignore_eos: bool) -> None:
     """One request of n tokens of the depth's text that share no first token with the depth, so the fill
     after it reuses nothing and the fill's rate is a warm server's prefill of the whole depth."""
-    start = next((i for i, t in enumerate(deep.text) if t != deep.prefix[0]), None)
-    if start is None:
-        return  # a text of one repeated token: any request would share the fill's prefix
-    measure_completion(srv, deep._stream(start, n), 1, ignore_eos)
+    tokens = deep.unrelated(n)
+    if tokens:
+        measure_completion(srv, tokens, 1, ignore_eos)
 
 
 def prefill_slot(srv: ServerProcess, prefix: list[int], slot: int, ignore_eos: bool) -> dict:
