@@ -127,6 +127,22 @@ def test_select_arms_keeps_the_baseline(tmp_path):
         sc.select_arms(["bogus"])
 
 
+def test_baseline_option_moves_the_ratios_to_another_arm(tmp_path, capsys):
+    path = write_scenario(tmp_path, GOOD.replace(
+        '[[arms]]\nname = "small"', '[[arms]]\nname = "third"\n\n[[arms]]\nname = "small"'))
+    sc = load_scenario(path)
+    sc.set_baseline("small")
+    sc.select_arms(["third"])
+    assert [(a.name, a.baseline) for a in sc.arms] == [("small", True), ("third", False)]
+    assert sc.baseline.name == "small"
+    with pytest.raises(ScenarioError, match="no arm named 'bogus'.*--baseline"):
+        load_scenario(path).set_baseline("bogus")
+    assert bench.main([str(path), "--baseline", "small", "--arms", "third", "--dry-run",
+                       "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "arm small (baseline)" in err and "arm third:" in err and "arm base" not in err
+
+
 def test_synth_model_routing(tmp_path):
     sc = load_scenario(write_scenario(tmp_path, GOOD.replace(
         '"../model.gguf"', '{ synth = "qwen3-30b-a3b", quant = "q4_0", routing = "calibrated" }')))

@@ -48,6 +48,9 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
     p.add_argument("scenario", help="scenario file, e.g. benchmarks/scenarios/smoke.toml")
     p.add_argument("--arms", metavar="A,B",
                    help="run only these arms (comma-separated names); the baseline arm always runs")
+    p.add_argument("--baseline", metavar="ARM",
+                   help="take every ratio against this arm instead of the scenario's baseline (it runs first; "
+                        "with --arms the scenario's own baseline then runs only if named)")
     p.add_argument("--depths", metavar="D,D",
                    help="run only these depths (comma-separated token counts) of the prompt sets that have them")
     p.add_argument("--reps", type=int, metavar="N", help="repetitions per arm and prompt (overrides the scenario)")
@@ -103,6 +106,8 @@ def _run(args: argparse.Namespace) -> int:
                 raise ScenarioError(f"model: {e}") from None
             print(path)
             return 0
+        if args.baseline:
+            sc.set_baseline(args.baseline.strip())
         if args.arms:
             sc.select_arms([a.strip() for a in args.arms.split(",") if a.strip()])
         if args.depths:

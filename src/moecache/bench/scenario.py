@@ -216,6 +216,17 @@ class Scenario:
         keep = set(names) | {self.baseline.name}
         self.arms = [a for a in self.arms if a.name in keep]
 
+    def set_baseline(self, name: str) -> None:
+        """Make arm `name` the one every ratio is taken against (e.g. the pin with q8_0 KV for the q8_0 arms,
+        so that a device call need not run the scenario's own baseline too). It runs first."""
+        arm = next((a for a in self.arms if a.name == name), None)
+        if arm is None:
+            raise ScenarioError(f"{self.path}: no arm named {name!r} (arms: "
+                                f"{', '.join(sorted(a.name for a in self.arms))}). Fix: check --baseline.")
+        for a in self.arms:
+            a.baseline = a is arm
+        self.arms = [arm] + [a for a in self.arms if a is not arm]
+
     def select_depths(self, depths: list[int]) -> None:
         """Keep only these depths of the prompt sets that have them (a shorter device call)."""
         have = sorted({d for p in self.prompts for d in p.depths})
