@@ -1,0 +1,119 @@
+"""Sequence compaction in the server (--seq-compact, issue 13) through the real llama-server.
+
+With a KV cache per slot (-no-kvu) llama.cpp's ubatch split takes only consecutive sequence ids, so when
+the session of a slot in the middle ends, the generating slots around the gap decode as two ubatches per
+step (two graphs; over a layer split, two passes through every device). With --seq-compact the server
+moves the highest generating slot into the gap before the next step: its KV stream is copied to the idle
+slot's, its state goes with it, and its response names the slot it ended in. Moving changes which stream
+holds a session, not what it computes: every request's tokens equal its solo run, its log-probabilities
+within the bound of a batch's other shapes (as for five sessions elsewhere).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from moe_cache_checks import PROMPTS, complete, max_logprob_diff, server_help
+from moecache.server import ServerProcess
+
+N_SLOTS = 4
+# the session of slot 1 ends first; slots 0, 2 and 3 go on, so slot 3 moves into slot 1
+N_PREDICT = [40, 4, 40, 40]
+MOVED = "moved from slot 3 with"
+ON = "sequence compaction on"
+QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
+
+
+def server_args(*args, rpc_ports=()):
+    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
+    return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ngl", "99", "-ub", "32",
+            "--cache-ram", "0", *rpc, *args]
+
+
+def prompts():
+    return [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
+
+
+def run_sessions(srv):
+    """The requests of N_PREDICT on their slots: first each alone, then all at once."""
+    reqs = list(zip(prompts(), N_PREDICT, range(N_SLOTS)))
+    solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
+    with ThreadPoolExecutor(N_SLOTS) as pool:
+        together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
+    return solo, together
+
+
+def assert_same_tokens(solo, together):
+    for a, b in zip(solo, together):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, qwen4exp):
+    return {"tiny": (tiny_model, []), "tiny-qwen4exp": (qwen4exp, QWEN4EXP_ARGS)}
+
+
+@pytest.mark.parametrize("name,n_rpc", [("tiny", 0), ("tiny-qwen4exp", 0), ("tiny", 2)])
+def test_a_generating_slot_moves_into_the_gap_and_its_tokens_stay(models, rpc_servers, name, n_rpc):
+    model, extra = models[name]
+    ports = rpc_servers(n_rpc) if n_rpc else ()
+    with ServerProcess(model, args=server_args(*extra, "--seq-compact", rpc_ports=ports), timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on after the moves
+        log = srv.log_text()
+    assert ON in log
+    assert MOVED in log, log[-3000:]
+    assert [o["id_slot"] for o in solo] == [0, 1, 2, 3]
+    assert together[3]["id_slot"] == 1  # the request reports the slot it ended in
+    assert_same_tokens(solo, together)
+    assert after["tokens"] == solo[0]["tokens"]
+
+
+def test_off_by_default_nothing_moves(tiny_model):
+    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        log = srv.log_text()
+    assert ON not in log and "moved from slot" not in log
+    assert [o["id_slot"] for o in together] == [0, 1, 2, 3]
+    assert_same_tokens(solo, together)
+
+
+def test_the_switch_reads_its_environment_variable(tiny_model):
+    with ServerProcess(tiny_model, args=server_args(), env={"LLAMA_ARG_SEQ_COMPACT": "1"}, timeout=180) as srv:
+        log = srv.log_text()
+    assert ON in log
+
+
+def test_a_failed_move_turns_compaction_off_and_changes_no_output(tiny_model):
+    """LLAMA_SEQ_COMPACT_FAULT=1: the check before every move fails. Nothing moves, a warning says so, the
+    requests end in their own slots with their solo tokens, and the server answers on."""
+    env = {"LLAMA_SEQ_COMPACT_FAULT": "1"}
+    with ServerProcess(tiny_model, args=server_args("--seq-compact"), env=env, timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        again = complete(srv, prompts()[0], n_predict=N_PREDICT[0], id_slot=2)
+        log = srv.log_text()
+    assert "failed its check (LLAMA_SEQ_COMPACT_FAULT); compaction is off from here" in log
+    assert "moved from slot" not in log
+    assert [o["id_slot"] for o in together] == [0, 1, 2, 3]
+    assert_same_tokens(solo, together)
+    assert again["tokens"] == solo[0]["tokens"]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["-kvu"], "--seq-compact does nothing here"),
+    (["--spec-type", "ngram-map-k4v"], "--seq-compact is off with speculative decoding"),
+])
+def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
+    with ServerProcess(tiny_model, args=server_args("--seq-compact", *args), timeout=180) as srv:
+        out = complete(srv, PROMPTS[0], n_predict=4)
+        log = srv.log_text()
+    assert line in log and ON not in log
+    assert len(out["tokens"]) == 4
+
+
+def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
+    text = server_help(llama_server_bin)
+    assert "--seq-compact" in text and "--no-seq-compact" in text and "LLAMA_ARG_SEQ_COMPACT" in text
