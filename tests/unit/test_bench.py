@@ -143,6 +143,36 @@ def test_baseline_option_moves_the_ratios_to_another_arm(tmp_path, capsys):
     assert "arm small (baseline)" in err and "arm third:" in err and "arm base" not in err
 
 
+DECODERS = GOOD.replace('max_tokens = 8', 'max_tokens = 8\ndecoders = 2\ndecoder_max_tokens = 100000\nttft = false\n'
+                                                   'env = { FAKE_PREFILL_MS_PER_TOKEN = "8" }').replace(
+    '"-c", "512"', '"-c", "512", "-np", "3"').replace('lengths = [16, 32]', 'lengths = [32]').replace(
+    'args = ["-ub", "32"]\nenv = { FAKE_SLOWDOWN = "2" }', 'args = ["--prefill-chunk", "2"]')
+
+
+def test_decoders_beside_the_timed_requests_report_their_longest_gap(tmp_path, fake_server_bin, capsys):
+    """Two decoders stream on slots 1 and 2 while each timed request runs; the fake server holds their steps
+    for the whole prompt (32 tokens x 8 ms) unless --prefill-chunk, where each waits 2 ms: the report's
+    longest gap must tell the two apart, and the decoders' requests must be the ones the fake saw."""
+    path = write_scenario(tmp_path, DECODERS)
+    out = tmp_path / "results"
+    assert bench.main([str(path), "--out", str(out), "--reps", "2", "--warmup", "0"]) == 0
+    run = json.loads(next(out.glob("*.json")).read_text())
+    assert run["scenario"]["decoders"] == 2
+    gaps = {r["arm"]: r["decoder_gap_ms"]["median"] for r in run["results"]}
+    assert gaps["base"] > 200 and gaps["small"] < 100, gaps  # 256 ms held against 2 ms waits
+    assert all(r["decoder_tps"]["median"] > 0 for r in run["results"])
+    md = next(out.glob("*.md")).read_text()
+    assert "## Decoders beside the timed requests" in md and "gap ratio" in md
+    slots = [c.get("slot") for c in map(json.loads, fake_server_bin.read_text().splitlines()) if "prompt" in c]
+    assert slots and None in slots  # the timed requests (no id_slot without a depth); decoders are not logged
+
+
+def test_decoders_need_their_own_slots(tmp_path, fake_server_bin, capsys):
+    path = write_scenario(tmp_path, DECODERS.replace('"-np", "3"', '"-np", "2"'))
+    assert bench.main([str(path), "--out", str(tmp_path / "results"), "--reps", "1"]) == 2
+    assert "2 decoders need 3" in capsys.readouterr().err
+
+
 def test_synth_model_routing(tmp_path):
     sc = load_scenario(write_scenario(tmp_path, GOOD.replace(
         '"../model.gguf"', '{ synth = "qwen3-30b-a3b", quant = "q4_0", routing = "calibrated" }')))
@@ -329,7 +359,10 @@ is a token (BOS = 2 with add_special). With --spec-type every request drafts n_p
 half of them accepted, unless more than --spec-max-users (default 2) requests are generating halfway
 through its FAKE_SLEEP seconds: then its steps are off for load. With --prefill-ubatch a prompt of
 --prefill-min-tokens or more "swaps" (timings prefill_ubatch, prefill_swap_ms) and /moe-cache counts it
-in "prefill_swap"."""
+in "prefill_swap". A streaming request with id_slot and no prompt caching is a decoder (scenario `decoders`):
+it streams a token every 5 ms until n_predict or its client leaves, and waits while a non-streaming
+request's prompt is "prefilling" (FAKE_PREFILL_MS_PER_TOKEN ms per token), or with --prefill-chunk C only C ms
+per token."""
 import json, os, sys, threading, time, signal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 args = sys.argv[1:]
@@ -346,6 +379,7 @@ n_ctx = int(arg("-c", "4096"))
 slots_n = int(arg("--moe-cache-slots", "0"))
 lock = threading.Lock()
 active = [0]
+prefill_until = [0.0]  # a prompt holds the decoders' steps until then
 cached = {}  # slot -> the prompt it caches (requests with cache_prompt and id_slot: those at a depth)
 swap = {"enabled": arg("--prefill-ubatch") is not None, "n_ubatch": int(arg("--prefill-ubatch", "0")),
         "min_tokens": int(arg("--prefill-min-tokens", "0")), "mode": arg("--prefill-swap-mode", "transaction"),
@@ -389,6 +423,23 @@ class H(BaseHTTPRequestHandler):
             self.reply({"id_slot": src, "to": body["to"], "n_copied": len(cached.get(src, [])), "n_checkpoints": 0,
                         "copy_ms": 0.5}); return
         n = len(body["prompt"]); k = body["n_predict"]
+        if body.get("stream") and "id_slot" in body and not body["cache_prompt"]:  # a decoder
+            self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+            chunk = arg("--prefill-chunk")
+            try:
+                for i in range(k):
+                    if time.time() < prefill_until[0]:
+                        time.sleep(int(chunk) / 1000 if chunk else prefill_until[0] - time.time())
+                    time.sleep(0.005)
+                    self.wfile.write(b'data: {"content": "x", "tokens": [7]}\n\n'); self.wfile.flush()
+                self.wfile.write(b'data: {"content": "", "stop": true}\n\n'); self.wfile.flush()
+            except OSError:
+                pass  # the client left: a cancelled decoder
+            return
+        hold = n * float(os.environ.get("FAKE_PREFILL_MS_PER_TOKEN", "0")) / 1000
+        if not body.get("stream") and hold > 0:
+            with lock: prefill_until[0] = time.time() + hold
+            time.sleep(hold)
         cache_n = 0
         if body["cache_prompt"]:
             with lock:

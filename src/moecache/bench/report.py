@@ -368,6 +368,34 @@ def _depth_lines(run: dict) -> list[str]:
     return lines + [""]
 
 
+def _decoder_lines(run: dict) -> list[str]:
+    """The decoders beside the timed requests (scenario `decoders`): their longest gap between two tokens
+    during a timed request and their decode rate then, per case and arm, with the baseline's gap over the
+    arm's (> 1: the arm's decoders waited less)."""
+    n = (run.get("scenario") or {}).get("decoders") or 0
+    rows = [r for r in run["results"] if r.get("decoder_gap_ms")]
+    if not n or not rows:
+        return []
+    base = {(r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)): r for r in rows
+            if r["arm"] == run["baseline"]}
+    lines = ["## Decoders beside the timed requests", "",
+             f"{n} other request(s) decoded on slots of their own while every timed repetition ran (started "
+             f"before it, each with a token out, stopped after it). Longest gap: the longest interval between "
+             f"two tokens of any decoder that overlaps the timed request, the median over the repetitions "
+             f"(min-max); their rate: the decoders' tokens during the request per decoder and second. Gap "
+             f"ratio: the baseline's gap / the arm's (> 1: shorter waits).", "",
+             "| arm | prompt | users | longest gap ms | decoders' t/s during it | gap ratio |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        b = base.get((r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)))
+        ratio = (b["decoder_gap_ms"]["median"] / r["decoder_gap_ms"]["median"]
+                 if b and r["decoder_gap_ms"]["median"] else None)
+        at = f" @{r['depth']:,}" if r.get("depth") else ""
+        lines.append(f"| {_md_cell(r['arm'])} | `{_md_cell(r['prompt'])}` {_length_short(r)}{at} | {r.get('users', 1)} "
+                     f"| {_fmt_stat(r['decoder_gap_ms'])} | {_fmt_stat(r.get('decoder_tps'))} | {_fmt_ratio(ratio)} |")
+    return lines + [""]
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
     levels = sc.get("users") or sorted({r.get("users", 1) for r in run["results"]})
@@ -535,6 +563,7 @@ def render_markdown(run: dict) -> str:
             if fills:
                 lines += [f"The {depth:,} cached tokens, prefilled from an empty slot: " + "; ".join(fills) + ".", ""]
     lines += _depth_lines(run)
+    lines += _decoder_lines(run)
     if swapped:
         lines += _swap_lines(run, concurrent)
     spec_rows = [r for r in run["results"] if not r.get("error") and r.get("speculation")]

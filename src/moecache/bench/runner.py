@@ -8,6 +8,7 @@ import importlib
 import importlib.metadata
 import json
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -367,6 +368,115 @@ def measure_ttft(srv: ServerProcess, tokens: list[int], ignore_eos: bool, timeou
         conn.close()
 
 
+class Decoders:
+    """`n` streaming requests decoding on slots first_slot.. while a timed request runs (scenario `decoders`):
+    each thread records when every token of its stream arrived. start() returns once each has produced a token;
+    stop() closes the connections (the server then cancels them) and joins the threads."""
+
+    def __init__(self, srv: ServerProcess, n: int, first_slot: int, prompt: list[int], max_tokens: int,
+                 timeout: float = 600.0):
+        self.srv, self.n, self.first_slot, self.prompt, self.max_tokens = srv, n, first_slot, prompt, max_tokens
+        self.timeout = timeout
+        self.times: list[list[float]] = [[] for _ in range(n)]
+        self.ended: list[bool] = [False] * n
+        self.errors: list[BaseException | None] = [None] * n
+        self.conns: list[http.client.HTTPConnection | None] = [None] * n
+        self.socks: list = [None] * n  # the connections' sockets (http.client drops conn.sock on a closing response)
+        self.threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def _run(self, i: int) -> None:
+        body = json.dumps({"prompt": self.prompt, "n_predict": self.max_tokens, "temperature": 0.0,
+                           "cache_prompt": False, "ignore_eos": True, "stream": True, "return_tokens": True,
+                           "id_slot": self.first_slot + i}).encode()
+        try:
+            conn = http.client.HTTPConnection(self.srv.host, self.srv.port, timeout=self.timeout)
+            self.conns[i] = conn
+            conn.request("POST", "/completion", body=body, headers={"Content-Type": "application/json"})
+            self.socks[i] = conn.sock
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise BenchError(f"a decoder's /completion failed (HTTP {resp.status}): {resp.read()[:300]!r}")
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    continue
+                if chunk.get("tokens") or chunk.get("content"):
+                    self.times[i].append(time.perf_counter())
+                if chunk.get("stop"):
+                    self.ended[i] = True
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread; a closed socket is the stop
+            if not self._stopping:
+                self.errors[i] = e
+
+    def start(self) -> "Decoders":
+        self.threads = [threading.Thread(target=self._run, args=(i,), name=f"bench-decoder-{i}", daemon=True)
+                        for i in range(self.n)]
+        for th in self.threads:
+            th.start()
+        t_end = time.perf_counter() + self.timeout
+        while not all(self.times):
+            self.check()
+            if time.perf_counter() > t_end:
+                raise BenchError(f"the {self.n} decoders did not all produce a token in {self.timeout:.0f} s")
+            time.sleep(0.005)
+        return self
+
+    def check(self) -> None:
+        failed = [e for e in self.errors if e is not None]
+        if failed:
+            e = failed[0]
+            raise e if isinstance(e, BenchError) else BenchError(f"a decoder failed: {type(e).__name__}: {e}")
+
+    def stop(self) -> None:
+        self._stopping = True
+        for sock, conn in zip(self.socks, self.conns):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # unblocks the reader at once; the server cancels the request
+                except OSError:
+                    pass
+            if conn is not None:
+                conn.close()
+        for th in self.threads:
+            th.join(timeout=30)
+
+    def __enter__(self) -> "Decoders":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def window(self, t0: float, t1: float) -> dict:
+        """The decoders over [t0, t1] (a timed request): the longest interval between two of a decoder's tokens
+        that overlaps it (from its last token before t0; to t1 where no token came after its last), their tokens
+        in it and the decode rate per decoder."""
+        self.check()
+        gap = 0.0
+        n_tokens = 0
+        for times, ended in zip(self.times, self.ended):
+            before = [t for t in times if t < t0]
+            inside = [t for t in times if t0 <= t <= t1]
+            n_tokens += len(inside)
+            marks = before[-1:] + inside
+            for a, b in zip(marks, marks[1:]):
+                gap = max(gap, b - a)
+            if marks and not ended:
+                gap = max(gap, t1 - marks[-1])
+        span = t1 - t0
+        return {"decoder_gap_ms": gap * 1000.0, "decoder_tokens": n_tokens,
+                "decoder_tps": n_tokens / self.n / span if span > 0 else None,
+                "decoders_ended": sum(self.ended)}
+
+
 def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: bool,
                mode: str = "prefill") -> dict:
     """Cache `prefix` in slots 0..n_slots-1. "prefill": each slot prefills it, one after the other,
@@ -693,7 +803,7 @@ def finish_row(row: dict) -> None:
     row["predicted_n"] = first.get("predicted_n")  # of one request
     for m in ("prefill_tps", "decode_tps"):
         row[m] = summarize(per_request(samples, m))
-    for m in ("ttft_ms", "aggregate_tps", "wall_s"):
+    for m in ("ttft_ms", "aggregate_tps", "wall_s", "decoder_gap_ms", "decoder_tps"):
         row[m] = summarize(s.get(m) for s in samples)
     spec = summarize_speculation(samples)
     if spec:
@@ -741,6 +851,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             "max_tokens": sc.max_tokens, "repetitions": sc.repetitions, "warmup": sc.warmup,
             "users": sc.users, "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args,
             "env": sc.env, "vram_budget_gib": sc.vram_budget_gib, "depth_fill": sc.depth_fill,
+            "decoders": sc.decoders, "decoder_max_tokens": sc.decoder_max_tokens,
             "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths,
                          **({"template": p.template} if p.template is not None else {})}
                         for p in sc.prompts],
@@ -789,6 +900,10 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 at += " (prefilled in slot 0, copied to the other slots)"
             say(f"  prompt '{ps.name}' {'the whole text' if n is None else f'{n} tokens'}{at} from "
                 f"{', '.join(f.name for f in ps.files)}{tpl}")
+        if sc.decoders:
+            first = max(sc.users)
+            say(f"  {sc.decoders} decoder(s) beside every timed request, on slots {first}-{first + sc.decoders - 1}, "
+                f"up to {sc.decoder_max_tokens} tokens each")
         say("dry run: nothing started.")
         return run, None
 
@@ -843,6 +958,11 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                     raise ScenarioError(
                         f"arm '{arm.name}': the server's context is {n_ctx} tokens, but the longest prompt plus "
                         f"max_tokens needs {sc.max_context()}. Fix: add \"-c\", \"{sc.max_context()}\" to server_args.")
+                if sc.decoders and n_slots is not None and n_slots < max(sc.users) + sc.decoders:
+                    raise ScenarioError(
+                        f"arm '{arm.name}': the server has {n_slots} slots, but {max(sc.users)} users and "
+                        f"{sc.decoders} decoders need {max(sc.users) + sc.decoders}. Fix: add \"-np\", "
+                        f"\"{max(sc.users) + sc.decoders}\" to server_args.")
                 if n_slots is not None and n_slots < max(sc.users):
                     raise ScenarioError(
                         f"arm '{arm.name}': the server has {n_slots} slots, but users asks for {max(sc.users)} "
@@ -864,6 +984,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                             next_tokens = lambda t=tokens: t  # noqa: E731 - the same prompt every time
                         for row in rows:
                             row["prompt_tokens"] = len(tokens) - depth
+                        # the decoders' prompt: the case's first tokens (short: they decode, not prefill)
+                        decoder_prompt = prompts.text_tokens(srv, ps, 32)[:32] if sc.decoders else []
                         if n_ctx is not None and n_ctx < sc.needed_context(len(tokens)):
                             raise ScenarioError(
                                 f"arm '{arm.name}': the server's context is {n_ctx} tokens, but prompt '{ps.name}' "
@@ -889,9 +1011,19 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                             body_before = fetch_moe_cache_body(srv)
                             swap_before = prefill_swap_summary(body_before)
                             for rep in range(sc.repetitions):
-                                s = measure_repetition(srv, next_tokens(), sc.max_tokens, sc.ignore_eos, users, depth)
-                                if sc.ttft and users == 1:
-                                    s["ttft_ms"] = measure_ttft(srv, next_tokens(), sc.ignore_eos, depth=depth)
+                                decoders = (Decoders(srv, sc.decoders, max(sc.users), decoder_prompt,
+                                                     sc.decoder_max_tokens).start() if sc.decoders else None)
+                                try:
+                                    t0 = time.perf_counter()
+                                    s = measure_repetition(srv, next_tokens(), sc.max_tokens, sc.ignore_eos, users,
+                                                           depth)
+                                    if decoders is not None:
+                                        s.update(decoders.window(t0, time.perf_counter()))
+                                    if sc.ttft and users == 1:
+                                        s["ttft_ms"] = measure_ttft(srv, next_tokens(), sc.ignore_eos, depth=depth)
+                                finally:
+                                    if decoders is not None:
+                                        decoders.stop()
                                 row["samples"].append(s)
                                 say(_progress(ps.name + (f" @{depth}" if depth else ""), n, users, rep,
                                               sc.repetitions, s, len(tokens) - depth))

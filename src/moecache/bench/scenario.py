@@ -63,6 +63,13 @@ ones, a different slice each time, so the server reuses the cached D tokens and 
 new ones at depth D before decoding max_tokens there. The server must report that it reused them
 (its cache_n), else the case fails. Depths need lengths and no template.
 
+decoders: N > 0 other requests decode on slots of their own (after the users' slots: the server needs
+max(users) + N slots) while every timed repetition and TTFT request runs. They start from a short prompt
+of the text, stream up to decoder_max_tokens tokens each, and are stopped once the repetition is done;
+each repetition waits until all of them have produced a token. The report gives, per case, their
+longest gap between two tokens that overlaps the timed request (a long prompt delays every decoder's
+next token: what the server's --prefill-chunk bounds) and their decode rate during it.
+
 depth_fill: how the slots get a depth's D tokens when users has a level N > 1 (so N slots need them).
 "prefill" (the default): every slot prefills them, one after the other (N x D tokens of prefill).
 "copy": slot 0 prefills them (the timed fill), then one POST /slots/0?action=copy copies its cache
@@ -110,6 +117,10 @@ TOP_KEYS = {
                   "(slot 0's cache copied to them; needs the server's slot-copy patch 0038)",
     "ignore_eos": "keep decoding past end-of-sequence so every request decodes max_tokens (default true)",
     "ttft": "also measure time to first token with a streaming request (default true)",
+    "decoders": "other requests decoding on their own slots while each timed request runs (default 0): the report "
+                "gives their longest gap between two tokens during it",
+    "decoder_max_tokens": "tokens each decoder may generate before it ends (default 4096; they are stopped after "
+                          "every repetition)",
     "server_args": "llama-server arguments shared by every arm (placed before the arm's args)",
     "env": "environment variables shared by every arm",
     "start_timeout": "seconds to wait for each server to become healthy (default 600)",
@@ -191,6 +202,8 @@ class Scenario:
     arms: list[Arm]
     vram_budget_gib: float | None = None  # GPU memory left free for each arm's server (a ballast holds the rest)
     depth_fill: str = "prefill"  # one of DEPTH_FILLS: how slots 1..N-1 get a depth's cached tokens
+    decoders: int = 0  # requests decoding on slots of their own beside every timed request
+    decoder_max_tokens: int = 4096
 
     @property
     def baseline(self) -> Arm:
@@ -451,6 +464,8 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         arms=arms,
         vram_budget_gib=budget,
         depth_fill=_depth_fill(path, data.get("depth_fill", "prefill")),
+        decoders=_positive(path, "decoders", data.get("decoders", 0), 0),
+        decoder_max_tokens=_positive(path, "decoder_max_tokens", data.get("decoder_max_tokens", 4096), 1),
     )
 
 

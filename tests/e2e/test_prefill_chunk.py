@@ -1,0 +1,106 @@
+"""Prefill in chunks beside decoders (--prefill-chunk, issue 13) through the real llama-server.
+
+The server puts every generating slot's next token and up to n_batch prompt tokens into one batch per
+step, so a long prompt arriving while others decode holds each decoder's next token for a whole batch of
+prompt work (at 250k tokens of context, about a second per step). With --prefill-chunk N a step takes at
+most N prompt tokens while the generating slots are at least as many as the prefilling ones, so the
+prompt runs over more, shorter steps and each decoder waits for N prompt tokens' work at most. Chunks
+change how the prompt is batched, not what is computed: the decoder's and the prompt's tokens equal their
+solo runs, their log-probabilities within the bound of other batch shapes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from moe_cache_checks import PROMPTS, complete, max_logprob_diff, real_text, server_help
+from moecache.server import ServerProcess
+
+CHUNK = 32
+N_DECODE = 48
+LONG = real_text(300, 1600)
+STEP = re.compile(r"prefill chunk: (\d+) prompt tokens beside (\d+) generating slots \(at most (\d+)\)")
+
+
+def server_args(*args):
+    return ["-t", "2", "-c", "8192", "-np", "2", "-no-kvu", "-ngl", "99", "-b", "512", "-ub", "64",
+            "--cache-ram", "0", "-lv", "5", *args]
+
+
+def wait_generating(srv, id_slot, n_decoded, timeout=60.0):
+    """Until slot id_slot has decoded n_decoded tokens of its request."""
+    t_end = time.time() + timeout
+    while time.time() < t_end:
+        status, slots = srv.get("/slots")
+        assert status == 200, slots
+        slot = next(s for s in slots if s["id"] == id_slot)
+        if slot.get("is_processing") and slot.get("next_token", [{}])[0].get("n_decoded", 0) >= n_decoded:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"slot {id_slot} did not decode {n_decoded} tokens in {timeout} s")
+
+
+def prompt_beside_a_decoder(srv):
+    """The decoder on slot 0 and the long prompt on slot 1: each alone, then the prompt sent while the
+    decoder generates."""
+    dec_solo = complete(srv, PROMPTS[0], n_predict=N_DECODE, id_slot=0)
+    long_solo = complete(srv, LONG, n_predict=8, id_slot=1)
+    with ThreadPoolExecutor(1) as pool:
+        dec = pool.submit(complete, srv, PROMPTS[0], n_predict=N_DECODE, id_slot=0)
+        wait_generating(srv, 0, 4)
+        long_beside = complete(srv, LONG, n_predict=8, id_slot=1)
+        dec_beside = dec.result()
+    return (dec_solo, dec_beside), (long_solo, long_beside)
+
+
+def assert_same(a, b):
+    assert a["tokens"] == b["tokens"]
+    assert max_logprob_diff(a, b) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-qwen4exp"])
+def test_a_long_prompt_beside_a_decoder_runs_in_chunks_with_the_same_tokens(tiny_model, qwen4exp, name):
+    model, extra = (tiny_model, []) if name == "tiny" else (qwen4exp, ["-fa", "on", "--qsa-sparse"])
+    with ServerProcess(model, args=server_args(*extra, "--prefill-chunk", str(CHUNK)), timeout=180) as srv:
+        (dec_solo, dec_beside), (long_solo, long_beside) = prompt_beside_a_decoder(srv)
+        log = srv.log_text()
+    steps = [tuple(map(int, m.groups())) for m in STEP.finditer(log)]
+    n_prompt = long_solo["tokens_evaluated"]
+    assert n_prompt > 8 * CHUNK
+    # every step beside the decoder took at most a chunk; together they ran most of the prompt
+    assert steps and all(n <= CHUNK and n_dec == 1 and cap == CHUNK for n, n_dec, cap in steps)
+    assert sum(n for n, _, _ in steps) >= n_prompt // 2, steps
+    assert dec_beside["tokens_predicted"] == N_DECODE
+    assert_same(dec_solo, dec_beside)
+    assert_same(long_solo, long_beside)
+
+
+def test_off_by_default_the_prompt_takes_whole_batches(tiny_model):
+    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
+        (dec_solo, dec_beside), (long_solo, long_beside) = prompt_beside_a_decoder(srv)
+        log = srv.log_text()
+    assert not STEP.search(log)
+    assert_same(dec_solo, dec_beside)
+    assert_same(long_solo, long_beside)
+
+
+def test_the_variable_sets_it_and_a_bad_value_is_refused(tiny_model, llama_server_bin):
+    env = {"LLAMA_ARG_PREFILL_CHUNK": str(CHUNK)}
+    with ServerProcess(tiny_model, args=server_args(), env=env, timeout=180) as srv:
+        prompt_beside_a_decoder(srv)
+        log = srv.log_text()
+    assert any(cap == CHUNK for _, _, cap in (map(int, m.groups()) for m in STEP.finditer(log)))
+    import subprocess
+
+    r = subprocess.run([str(llama_server_bin), "-m", str(tiny_model), "--prefill-chunk", "-1"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert r.returncode != 0 and "--prefill-chunk must be >= 0" in r.stdout
+
+
+def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
+    text = server_help(llama_server_bin)
+    assert "--prefill-chunk N" in text and "LLAMA_ARG_PREFILL_CHUNK" in text
