@@ -259,3 +259,12 @@ def test_server_reads_the_cache_variables_and_their_old_names(tiny_model, env, s
     with ServerProcess(tiny_model, args=BASE_ARGS, env={**HOST, **env}, timeout=120) as srv:
         st = cache_stats(srv)
     assert st["enabled"] is True and st["n_slots"] == slots, st
+
+
+def test_the_json_names_each_cached_layers_device(tiny_model):
+    """/moe-cache names the device of every cached layer (patch 0065): with a layer split, each layer's
+    slots are on its own device (tests/gpu/test_moe_cache_layer_split_gpu.py); here the host test device."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "4"], env=HOST, timeout=60) as srv:
+        complete(srv, PROMPTS[0], n_predict=4)
+        st = cache_stats(srv)
+    assert [layer.get("device") for layer in st["layers"] if layer["cached"]] == ["CPU"] * N_LAYER
