@@ -103,11 +103,28 @@ def test_a_failed_move_turns_compaction_off_and_changes_no_output(tiny_model):
     assert again["tokens"] == solo[0]["tokens"]
 
 
+# short n-grams, so that the tiny model's output drafts at all: ngram-mod keeps a history per sequence
+@pytest.mark.parametrize("spec", [["ngram-mod", "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-match", "1"],
+                                  ["ngram-simple", "--spec-ngram-simple-size-n", "1"]], ids=lambda s: s[0])
+def test_n_gram_drafting_moves_with_the_session(tiny_model, spec):
+    """The n-gram drafters keep a map per sequence (and what it indexed): a move swaps them with the slots,
+    so the moved session drafts from its own text. Drafts are verified, so the tokens are the solo runs'."""
+    args = server_args("--seq-compact", "--spec-type", *spec, "--spec-min-accept", "0", "--spec-max-users", "0")
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        log = srv.log_text()
+    assert ON in log and "moved from slot" in log, log[-3000:]
+    assert sum(o["timings"].get("draft_n", 0) for o in together) > 0  # the drafters did draft
+    # the tokens only: an accepted draft token's step has no probabilities of its own
+    assert [o["tokens"] for o in solo] == [o["tokens"] for o in together]
+
+
 @pytest.mark.parametrize("args,line", [
     (["-kvu"], "--seq-compact does nothing here"),
-    (["--spec-type", "ngram-map-k4v"], "--seq-compact is off with speculative decoding"),
+    (["-md", "DRAFT", "--spec-type", "draft-simple"], "--seq-compact is off with this speculative decoding"),
 ])
 def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
+    args = [str(tiny_model) if a == "DRAFT" else a for a in args]  # the model drafts for itself
     with ServerProcess(tiny_model, args=server_args("--seq-compact", *args), timeout=180) as srv:
         out = complete(srv, PROMPTS[0], n_predict=4)
         log = srv.log_text()
