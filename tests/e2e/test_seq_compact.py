@@ -28,7 +28,7 @@ QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-t
 def server_args(*args, rpc_ports=()):
     rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
     return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ngl", "99", "-ub", "32",
-            "--cache-ram", "0", *rpc, *args]
+            "--cache-ram", "0", "--metrics", *rpc, *args]
 
 
 def prompts():
@@ -42,6 +42,16 @@ def run_sessions(srv):
     with ThreadPoolExecutor(N_SLOTS) as pool:
         together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
     return solo, together
+
+
+def compaction_moves(srv):
+    """llamacpp:seq_compact_moves_total from /metrics, None where the server does not report it."""
+    status, text = srv.get("/metrics")
+    assert status == 200, text
+    for line in str(text).splitlines():
+        if line.startswith("llamacpp:seq_compact_moves_total "):
+            return int(float(line.split()[1]))
+    return None
 
 
 def assert_same_tokens(solo, together):
@@ -62,9 +72,11 @@ def test_a_generating_slot_moves_into_the_gap_and_its_tokens_stay(models, rpc_se
     with ServerProcess(model, args=server_args(*extra, "--seq-compact", rpc_ports=ports), timeout=180) as srv:
         solo, together = run_sessions(srv)
         after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on after the moves
+        moves = compaction_moves(srv)
         log = srv.log_text()
     assert ON in log
     assert "moved from slot" in log, log[-3000:]
+    assert moves == log.count("moved from slot") >= 1  # /metrics counts them
     assert [o["id_slot"] for o in solo] == [0, 1, 2, 3]
     # the requests report the slots they ended in: slot 3's moves into slot 1 once slot 1's ends (had
     # slot 3's request come late, slot 2's would move instead: some request ends below its own slot)
@@ -76,8 +88,9 @@ def test_a_generating_slot_moves_into_the_gap_and_its_tokens_stay(models, rpc_se
 def test_off_by_default_nothing_moves(tiny_model):
     with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
         solo, together = run_sessions(srv)
+        moves = compaction_moves(srv)
         log = srv.log_text()
-    assert ON not in log and "moved from slot" not in log
+    assert ON not in log and "moved from slot" not in log and moves is None
     assert [o["id_slot"] for o in together] == [0, 1, 2, 3]
     assert_same_tokens(solo, together)
 
