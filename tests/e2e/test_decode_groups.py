@@ -1,0 +1,167 @@
+"""Decode groups in the server (--decode-groups, issue 13) through the real llama-server.
+
+Over a pipelined layer split, one batch in flight leaves every device but one idle. With --decode-groups N
+the generating slots are split into up to N groups of consecutive slots; each group decodes into its own
+output slot of the context (llama_output_slots_set), and a step samples one group's tokens and submits
+its next batch while the other groups' decodes run. Only while every busy slot generates: a prompt
+arriving drains the groups and the step is upstream's again. A group is its slots' own sequences, so
+every request's tokens equal its solo run, its log-probabilities within the bound of a batch's other
+shapes (as for five sessions elsewhere). The CPU test devices record no events, so here every read waits
+for all work (what the grouping computes is tested, not the overlap; tests/gpu has the CUDA path).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from moe_cache_checks import PROMPTS, complete, max_logprob_diff, server_help
+from moecache.server import ServerProcess
+
+N_SLOTS = 4
+# different lengths: the groups lose members as sessions end, and drain when one slot is left
+N_PREDICT = [40, 12, 40, 24]
+ON = "decode groups on"
+# a formation's line, e.g. "decode groups: 4 generating slots in 2 groups: [0 1] [2 3]"
+FORMED = re.compile(r"decode groups: \d+ generating slots in \d+ groups: \[")
+QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
+
+
+def server_args(*args, rpc_ports=()):
+    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
+    return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ngl", "99", "-ub", "32",
+            "--cache-ram", "0", "--metrics", *rpc, *args]
+
+
+def prompts():
+    return [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
+
+
+def run_sessions(srv):
+    """The requests of N_PREDICT on their slots: first each alone, then all at once."""
+    reqs = list(zip(prompts(), N_PREDICT, range(N_SLOTS)))
+    solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
+    with ThreadPoolExecutor(N_SLOTS) as pool:
+        together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
+    return solo, together
+
+
+def group_metrics(srv):
+    """{name: value} of the llamacpp:decode_group_* counters in /metrics (empty where not reported)."""
+    status, text = srv.get("/metrics")
+    assert status == 200, text
+    out = {}
+    for line in str(text).splitlines():
+        if line.startswith("llamacpp:decode_group_"):
+            name, value = line.split()
+            out[name.split(":", 1)[1]] = int(float(value))
+    return out
+
+
+def assert_same_tokens(solo, together):
+    for a, b in zip(solo, together):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model, qwen4exp):
+    return {"tiny": (tiny_model, []), "tiny-qwen4exp": (qwen4exp, QWEN4EXP_ARGS)}
+
+
+@pytest.mark.parametrize("name,n_rpc,split", [("tiny", 0, []), ("tiny-qwen4exp", 0, []),
+                                              ("tiny", 2, ["-sm", "layer"])])
+def test_groups_form_and_every_request_keeps_its_solo_tokens(models, rpc_servers, name, n_rpc, split):
+    model, extra = models[name]
+    ports = rpc_servers(n_rpc) if n_rpc else ()
+    args = server_args(*extra, *split, "--decode-groups", "2", rpc_ports=ports)
+    with ServerProcess(model, args=args, timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on, upstream's step
+        counters = group_metrics(srv)
+        log = srv.log_text()
+    assert ON in log
+    # each formation's line names the groups: consecutive slots
+    assert "generating slots in 2 groups: [" in log, log[-3000:]
+    assert counters["decode_group_formations_total"] == len(FORMED.findall(log)) >= 1
+    # each grouped step decoded one group's tokens; four sessions of 12-40 tokens give far more than one
+    assert counters["decode_group_steps_total"] >= 10, counters
+    assert [o["id_slot"] for o in together] == [0, 1, 2, 3]
+    assert_same_tokens(solo, together)
+    assert after["tokens"] == solo[0]["tokens"]
+
+
+def test_a_prompt_arriving_drains_the_groups(tiny_model):
+    """Two long sessions decode in groups; a third request arrives meanwhile: its prompt drains the groups
+    (upstream's step takes it beside the decoders), and once it generates too the groups form again."""
+    reqs = [(PROMPTS[i % len(PROMPTS)] * (i + 2), n, i) for i, n in enumerate([60, 60, 20])]
+    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2"), timeout=180) as srv:
+        solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
+        with ThreadPoolExecutor(3) as pool:
+            first = [pool.submit(complete, srv, p, n_predict=n, id_slot=s) for p, n, s in reqs[:2]]
+            deadline = time.monotonic() + 60
+            while not FORMED.search(srv.log_text()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            late = pool.submit(complete, srv, reqs[2][0], n_predict=reqs[2][1], id_slot=2)
+            together = [f.result() for f in first] + [late.result()]
+        log = srv.log_text()
+    assert len(FORMED.findall(log)) >= 1
+    assert_same_tokens(solo, together)
+
+
+def test_off_by_default_no_groups(tiny_model):
+    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        counters = group_metrics(srv)
+        log = srv.log_text()
+    assert ON not in log and not FORMED.search(log) and counters == {}
+    assert_same_tokens(solo, together)
+
+
+def test_the_option_reads_its_environment_variable(tiny_model):
+    with ServerProcess(tiny_model, args=server_args(), env={"LLAMA_ARG_DECODE_GROUPS": "3"}, timeout=180) as srv:
+        log = srv.log_text()
+    assert "decode groups on: up to 3 groups" in log
+
+
+def test_a_failed_set_up_turns_groups_off_and_changes_no_output(tiny_model):
+    """LLAMA_DECODE_GROUPS_FAULT=1: setting up the output slots fails. A warning says so, the slots decode
+    in one batch per step with their solo tokens, and the server answers on."""
+    env = {"LLAMA_DECODE_GROUPS_FAULT": "1"}
+    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2"), env=env, timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        again = complete(srv, prompts()[0], n_predict=N_PREDICT[0], id_slot=2)
+        counters = group_metrics(srv)
+        log = srv.log_text()
+    assert "could not be set up (LLAMA_DECODE_GROUPS_FAULT); groups are off from here" in log
+    assert not FORMED.search(log) and counters["decode_group_steps_total"] == 0
+    assert_same_tokens(solo, together)
+    assert again["tokens"] == solo[0]["tokens"]
+
+
+@pytest.mark.parametrize("args,line", [
+    (["-np", "1"], "--decode-groups is off with one slot"),
+    (["--spec-type", "ngram-simple"], "--decode-groups is off with speculative decoding"),
+])
+def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
+    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2", *args), timeout=180) as srv:
+        out = complete(srv, PROMPTS[0], n_predict=4)
+        log = srv.log_text()
+    assert line in log and ON not in log
+    assert len(out["tokens"]) == 4
+
+
+def test_a_negative_count_is_refused(tiny_model, llama_server_bin):
+    import subprocess
+
+    r = subprocess.run([str(llama_server_bin), "-m", str(tiny_model), "--decode-groups", "-1"],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert r.returncode != 0 and "--decode-groups must be >= 0" in r.stdout
+
+
+def test_the_option_and_its_variable_are_in_the_help(llama_server_bin):
+    text = server_help(llama_server_bin)
+    assert "--decode-groups" in text and "LLAMA_ARG_DECODE_GROUPS" in text
