@@ -6,8 +6,9 @@ output slot of the context (llama_output_slots_set), and a step samples one grou
 its next batch while the other groups' decodes run. Only while every busy slot generates: a prompt
 arriving drains the groups and the step is upstream's again. A group is its slots' own sequences, so
 every request's tokens equal its solo run, its log-probabilities within the bound of a batch's other
-shapes (as for five sessions elsewhere). The CPU test devices record no events, so here every read waits
-for all work (what the grouping computes is tested, not the overlap; tests/gpu has the CUDA path).
+shapes (as for five sessions elsewhere). The CPU records no events, so there every read waits for all
+work; an rpc-server's device does, so over rpc-servers a read waits for its own slot's event (what the
+grouping computes is tested, not the overlap; tests/gpu has the CUDA path).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ N_PREDICT = [40, 12, 40, 24]
 ON = "decode groups on"
 # a formation's line, e.g. "decode groups: 4 generating slots in 2 groups: [0 1] [2 3]"
 FORMED = re.compile(r"decode groups: \d+ generating slots in \d+ groups: \[")
+EVENTS = "output slots: a read waits for its own slot's copies"
+NO_EVENTS = "output slots: the device records no events, a read waits for all work"
 QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
 
 
@@ -78,7 +81,7 @@ def test_groups_form_and_every_request_keeps_its_solo_tokens(models, rpc_servers
     model, extra = models[name]
     ports = rpc_servers(n_rpc) if n_rpc else ()
     args = server_args(*extra, *split, "--decode-groups", "2", rpc_ports=ports)
-    with ServerProcess(model, args=args, timeout=180) as srv:
+    with ServerProcess(model, args=args, env={"LLAMA_ARG_LOG_VERBOSITY": "5"}, timeout=180) as srv:
         solo, together = run_sessions(srv)
         after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on, upstream's step
         counters = group_metrics(srv)
@@ -89,6 +92,8 @@ def test_groups_form_and_every_request_keeps_its_solo_tokens(models, rpc_servers
     assert counters["decode_group_formations_total"] == len(FORMED.findall(log)) >= 1
     # each grouped step decoded one group's tokens; four sessions of 12-40 tokens give far more than one
     assert counters["decode_group_steps_total"] >= 10, counters
+    # where the logits come from: the CPU records no events, an rpc-server's device does
+    assert (EVENTS if n_rpc else NO_EVENTS) in log
     assert [o["id_slot"] for o in together] == [0, 1, 2, 3]
     assert_same_tokens(solo, together)
     assert after["tokens"] == solo[0]["tokens"]
@@ -142,11 +147,31 @@ def test_a_failed_set_up_turns_groups_off_and_changes_no_output(tiny_model):
     assert again["tokens"] == solo[0]["tokens"]
 
 
+# short n-grams, so that the tiny model's output drafts at all
+@pytest.mark.parametrize("spec", [["ngram-mod", "--spec-ngram-mod-n-min", "1", "--spec-ngram-mod-n-match", "1"],
+                                  ["ngram-simple", "--spec-ngram-simple-size-n", "1"]], ids=lambda s: s[0])
+def test_n_gram_drafting_works_in_groups(tiny_model, spec):
+    """A group's step drafts for its own slots only (another group's draft may be in flight) and verifies
+    them when its tokens are sampled: drafts are verified, so the tokens are the solo runs'."""
+    args = server_args("--decode-groups", "2", "--spec-type", *spec, "--spec-min-accept", "0",
+                       "--spec-max-users", "0")
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        solo, together = run_sessions(srv)
+        counters = group_metrics(srv)
+        log = srv.log_text()
+    assert ON in log and FORMED.search(log), log[-3000:]
+    assert counters["decode_group_steps_total"] >= 10, counters
+    assert sum(o["timings"].get("draft_n", 0) for o in together) > 0  # the drafters did draft
+    # the tokens only: an accepted draft token's step has no probabilities of its own
+    assert [o["tokens"] for o in solo] == [o["tokens"] for o in together]
+
+
 @pytest.mark.parametrize("args,line", [
     (["-np", "1"], "--decode-groups is off with one slot"),
-    (["--spec-type", "ngram-simple"], "--decode-groups is off with speculative decoding"),
+    (["-md", "DRAFT", "--spec-type", "draft-simple"], "--decode-groups is off with a draft model's speculative decoding"),
 ])
 def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
+    args = [str(tiny_model) if a == "DRAFT" else a for a in args]  # the model drafts for itself
     with ServerProcess(tiny_model, args=server_args("--decode-groups", "2", *args), timeout=180) as srv:
         out = complete(srv, PROMPTS[0], n_predict=4)
         log = srv.log_text()

@@ -1,0 +1,61 @@
+"""Mixed devices in a layer split (issue 13, item 6) through the real llama-server.
+
+The mixed-GPU post ran one model over a CUDA device and a Vulkan one: devices that differ in what they
+support. Here two rpc-servers on loopback stand for the devices, with some layers left on the host's CPU
+(-ngl below the layer count) or the KV cache on the host (-nkvo): the layer split then runs without the
+scheduler's pipeline, and the server says why at start-up (upstream says nothing, and the devices simply
+run one after the other). Every multi-GPU switch of the series still works there: sequence compaction,
+prefill chunks and decode groups, with every request's solo tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from moe_cache_checks import PROMPTS, complete, max_logprob_diff
+from moecache.server import ServerProcess
+
+N_SLOTS = 4
+N_PREDICT = [32, 8, 32, 16]
+SWITCHES = ["--pp-overrides", "--seq-compact", "--prefill-chunk", "16", "--decode-groups", "2"]
+
+
+def server_args(ports, *args):
+    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in ports)]
+    return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ub", "32", "--cache-ram", "0",
+            "-sm", "layer", "-lv", "4", *rpc, *args]
+
+
+@pytest.mark.parametrize("placement,why", [
+    (["-ngl", "1"], r"pipeline parallelism off over 2 devices: not every layer and the output are on a device "
+                    r"\(-ngl 1 of \d+ layers; -ngl all offloads them\)"),
+    (["-ngl", "99", "-nkvo"], r"pipeline parallelism off over 2 devices: the KV cache is on the host \(-nkvo\)"),
+], ids=["cpu-layers", "host-kv"])
+def test_a_split_without_the_pipeline_says_why_and_every_switch_works(tiny_model, rpc_servers, placement, why):
+    ports = rpc_servers(2)
+    prompts = [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
+    reqs = list(zip(prompts, N_PREDICT, range(N_SLOTS)))
+    with ServerProcess(tiny_model, args=server_args(ports, *placement, *SWITCHES), timeout=180) as srv:
+        solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
+        with ThreadPoolExecutor(N_SLOTS) as pool:
+            together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
+        log = srv.log_text()
+    assert re.search(why, log), log[-4000:]
+    assert "pipeline parallelism enabled" not in log
+    assert "sequence compaction on" in log and "decode groups on" in log
+    assert re.search(r"decode groups: \d+ generating slots in \d+ groups: \[", log), log[-3000:]
+    for a, b in zip(solo, together):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
+def test_a_full_split_keeps_the_pipeline_and_says_nothing_of_it(tiny_model, rpc_servers):
+    ports = rpc_servers(2)
+    with ServerProcess(tiny_model, args=server_args(ports, "-ngl", "99"), timeout=180) as srv:
+        out = complete(srv, PROMPTS[0], n_predict=4)
+        log = srv.log_text()
+    assert "pipeline parallelism enabled" in log and "pipeline parallelism off" not in log
+    assert len(out["tokens"]) == 4
