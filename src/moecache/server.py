@@ -71,6 +71,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help=f"serve a small synthetic MoE model (made once and cached; random weights, "
                         f"so the text it writes is gibberish). Listens on {DEFAULT_HOST}:{DEFAULT_PORT} "
                         f"unless --host/--port (or LLAMA_ARG_HOST/LLAMA_ARG_PORT) say otherwise")
+    p.add_argument("--tune-config", metavar="FILE", default=None,
+                   help="apply the hot-expert cache settings `moecache tune TRACE --write-config FILE` chose "
+                        "(its slots, policy and policy settings); your own flags and LLAMA_ARG_* variables win "
+                        "(env: LLAMA_ARG_TUNE_CONFIG)")
     return p
 
 
@@ -413,6 +417,20 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     else:
         ready_url = None
         env = None
+
+    tune_config = ours.tune_config or os.environ.get("LLAMA_ARG_TUNE_CONFIG", "").strip() or None
+    if tune_config:
+        from .tune import ConfigError, config_args, load_config
+
+        try:
+            options = load_config(tune_config)
+        except ConfigError as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        added = config_args(options, rest, os.environ)
+        rest = added + rest
+        print(f"{prog}: tune config {tune_config}: {' '.join(added) or '(every setting already set by your flags or environment)'}",
+              file=sys.stderr, flush=True)
 
     model = find_flag_value(rest, MODEL_FLAGS)
     if model is not None:

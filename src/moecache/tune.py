@@ -1,0 +1,260 @@
+"""`moecache tune`: the hot-expert cache's policy, its parameters and its size from the user's own routing.
+
+A routing trace of the user's traffic (llama-server's --moe-routing-trace, or `moecache cache-sim --record`)
+is replayed through the cache's own policy code (the library's, through _core, as `moecache cache-sim`
+does) for every policy setting of a grid and every slot count asked for. Per slot count the best setting
+(the highest hit rate; fewer uploads break a tie) gives the hit-rate curve; the recommendation is the best
+setting at the slot count the user's VRAM allows (--slots-budget, by default the largest one tried). It is
+written as a config that moecache-server reads (--tune-config FILE) and as the flags to paste.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache_sim import TraceError, load_trace, simulate
+
+CONFIG_KIND = "moecache-tune"
+CONFIG_VERSION = 1
+
+# the grid: each policy's parameters around the library's defaults (freq 40; lru 2 misses in 16 tokens)
+FREQ_INTERVALS = (10, 20, 40, 80, 160)
+LRU_ADMIT_MISSES = (1, 2, 3)
+LRU_ADMIT_WINDOWS = (8, 16, 32)
+
+
+@dataclass(frozen=True)
+class Setting:
+    policy: str
+    interval: int = 40
+    admit_misses: int = 2
+    admit_window: int = 16
+
+    def options(self) -> dict:
+        """The setting as moecache's Python options (api.MOE_CACHE_OPTIONS names)."""
+        if self.policy == "freq":
+            return {"moe_cache_policy": "freq", "moe_cache_rebalance_interval": self.interval}
+        return {"moe_cache_policy": "lru", "moe_cache_admit_misses": self.admit_misses,
+                "moe_cache_admit_window": self.admit_window}
+
+    def label(self) -> str:
+        if self.policy == "freq":
+            return f"freq interval {self.interval}"
+        return f"lru {self.admit_misses} miss{'es' if self.admit_misses != 1 else ''} in {self.admit_window}"
+
+
+def grid(policies=("freq", "lru")) -> list[Setting]:
+    out = []
+    if "freq" in policies:
+        out += [Setting("freq", interval=i) for i in FREQ_INTERVALS]
+    if "lru" in policies:
+        out += [Setting("lru", admit_misses=m, admit_window=w) for m in LRU_ADMIT_MISSES for w in LRU_ADMIT_WINDOWS]
+    return out
+
+
+def replay(trace, slots: int, s: Setting, max_uploads: int = 2, warmup: int = 0) -> dict:
+    return simulate(trace, slots, s.policy, s.interval, s.admit_misses, s.admit_window, max_uploads, warmup)
+
+
+def better(a: dict, b: dict | None) -> bool:
+    """a beats b: a higher hit rate, or the same with fewer uploads."""
+    return b is None or (a["hit_rate"], -a["uploads"]) > (b["hit_rate"], -b["uploads"])
+
+
+def neighbours(s: Setting) -> list[Setting]:
+    """Settings around s, finer than the grid: the second pass looks there."""
+    if s.policy == "freq":
+        return [Setting("freq", interval=i) for i in sorted({max(1, round(s.interval * f)) for f in
+                (0.5, 0.625, 0.75, 0.875, 1.125, 1.25, 1.5, 1.75)} - {s.interval})]
+    out = []
+    for m in (s.admit_misses - 1, s.admit_misses, s.admit_misses + 1):
+        for f in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0):
+            w = max(1, round(s.admit_window * f))
+            if m >= 1 and (m, w) != (s.admit_misses, s.admit_window):
+                out.append(Setting("lru", admit_misses=m, admit_window=w))
+    return sorted(set(out), key=lambda x: (x.admit_misses, x.admit_window))
+
+
+def tune(trace, slots: list[int], settings: list[Setting], max_uploads: int = 2, warmup: int = 0,
+         progress=None) -> list[dict]:
+    """Per slot count: the best setting and its replay, with every setting's hit rate. Two passes: the
+    grid, then the neighbours of each policy's best grid setting."""
+    curve = []
+    for n in slots:
+        best = best_setting = None
+        tried = []
+        best_of: dict[str, tuple[dict, Setting]] = {}
+
+        def run(s: Setting):
+            nonlocal best, best_setting
+            r = replay(trace, n, s, max_uploads, warmup)
+            tried.append({"setting": s.label(), "hit_rate": r["hit_rate"], "uploads": r["uploads"]})
+            if better(r, best):
+                best, best_setting = r, s
+            if s.policy not in best_of or better(r, best_of[s.policy][0]):
+                best_of[s.policy] = (r, s)
+            if progress:
+                progress.update()
+
+        for s in settings:
+            run(s)
+        done = set(settings)
+        for _, s in list(best_of.values()):
+            for x in neighbours(s):
+                if x not in done:
+                    done.add(x)
+                    run(x)
+        curve.append({"slots": n, "best": best_setting, "result": best, "tried": tried})
+    return curve
+
+
+def config_for(curve: list[dict], slots_budget: int, trace_path: str, max_uploads: int) -> dict:
+    point = max((p for p in curve if p["slots"] <= slots_budget), key=lambda p: p["slots"])
+    s: Setting = point["best"]
+    return {
+        "kind": CONFIG_KIND,
+        "version": CONFIG_VERSION,
+        "trace": Path(trace_path).name,
+        "options": {"moe_cache_slots": point["slots"], **s.options(), "moe_cache_max_uploads": max_uploads},
+        "expected_hit_rate": point["result"]["hit_rate"],
+        "curve": [{"slots": p["slots"], "setting": p["best"].label(), "hit_rate": p["result"]["hit_rate"],
+                   "uploads": p["result"]["uploads"]} for p in curve],
+    }
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path) -> dict:
+    """A config written by `moecache tune`: its options (api.MOE_CACHE_OPTIONS names), checked."""
+    from .api import MOE_CACHE_OPTIONS
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"tune config not found: {path}. Fix: write one with `moecache tune TRACE --write-config "
+                          f"{path}`") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a tune config ({e})") from None
+    if not isinstance(data, dict) or data.get("kind") != CONFIG_KIND or not isinstance(data.get("options"), dict):
+        raise ConfigError(f"{path}: not a tune config (no \"kind\": \"{CONFIG_KIND}\" with \"options\"). Fix: write "
+                          "it with `moecache tune TRACE --write-config FILE`")
+    if data.get("version") != CONFIG_VERSION:
+        raise ConfigError(f"{path}: tune config version {data.get('version')!r}, this moecache reads "
+                          f"{CONFIG_VERSION}. Fix: run `moecache tune` again")
+    from .api import _feature_options
+
+    try:  # the API's own checks: names, types, ranges (no environment: the file's values alone)
+        _feature_options(MOE_CACHE_OPTIONS, "expert cache", kwargs=data["options"], environ={})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return data["options"]
+
+
+def config_args(options: dict, user_args, environ) -> list[str]:
+    """The llama-server flags of a tune config's options that neither the user's flags nor their environment
+    already set (theirs win; llama-server lets a flag beat a variable, so ours would beat their variable)."""
+    from .api import MOE_CACHE_OPTIONS
+    from .server import has_flag
+
+    out = []
+    for name, value in options.items():
+        opt = MOE_CACHE_OPTIONS[name]
+        if has_flag(user_args, (opt.flag,)) or any(environ.get(v, "").strip() for v in opt.env_names):
+            continue
+        out += [opt.flag, str(value)]
+    return out
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated slot counts, e.g. 16,32,64; got {text!r}")
+    if not out or out[0] < 1:
+        raise argparse.ArgumentTypeError(f"slot counts must be >= 1; got {text!r}")
+    return out
+
+
+def build_parser(prog: str = "moecache tune") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1])
+    p.add_argument("trace", help="routing trace (JSONL) of your own traffic: llama-server --moe-routing-trace FILE")
+    p.add_argument("--slots", type=_int_list, default=None,
+                   help="slot counts per layer to try (default: powers of two from 8 up to the expert count)")
+    p.add_argument("--slots-budget", type=int, default=None,
+                   help="the slots per layer your VRAM allows: the recommendation is the best setting at the "
+                        "largest tried count within it (default: the largest tried)")
+    p.add_argument("--policy", default="freq,lru", help="policies to try (default freq,lru)")
+    p.add_argument("--max-uploads", type=int, default=2, help="uploads per layer and step (default 2)")
+    p.add_argument("--warmup", type=int, default=0, help="tokens at the start not counted (default 0)")
+    p.add_argument("--seq", type=int, default=None, help="only this sequence of the trace")
+    p.add_argument("--write-config", metavar="FILE", default=None,
+                   help="write the recommendation as a config for moecache-server --tune-config FILE")
+    p.add_argument("--json", dest="json_out", default=None, help="also write the whole curve as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
+    from ._progress import Progress
+
+    args = build_parser(prog).parse_args(argv)
+    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
+    bad = [x for x in policies if x not in ("freq", "lru")]
+    if bad or not policies:
+        print(f"{prog}: --policy takes freq and/or lru, got {args.policy!r}", file=sys.stderr)
+        return 2
+    if args.max_uploads < 1:
+        print(f"{prog}: --max-uploads must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        trace = load_trace(args.trace, args.seq)
+    except TraceError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    slots = args.slots or [s for s in (8, 16, 32, 64, 128, 256, 512) if s < trace.n_expert] + [trace.n_expert]
+    slots = [min(s, trace.n_expert) for s in slots]
+    slots = sorted(set(slots))
+    budget = args.slots_budget if args.slots_budget is not None else slots[-1]
+    if budget < slots[0]:
+        print(f"{prog}: --slots-budget {budget} is below every tried slot count ({slots[0]}). Fix: try smaller "
+              f"counts with --slots", file=sys.stderr)
+        return 2
+    settings = grid(policies)
+    print(f"trace {args.trace}: {len(trace.tokens)} tokens, {len(trace.layers)} layers, {trace.n_expert} experts "
+          f"(top-{trace.n_used}); {len(settings)} settings x {len(slots)} slot counts")
+    n_around = (8 if "freq" in policies else 0) + (17 if "lru" in policies else 0)  # neighbours(), at most
+    progress = Progress((len(settings) + n_around) * len(slots), "replaying (the grid, then around its best)",
+                        unit="replays")
+    curve = tune(trace, slots, settings, args.max_uploads, args.warmup, progress=progress)
+    progress.close()
+    print(f"{'slots':>5}  {'best setting':<24} {'hit rate':>8} {'uploads':>8}  {'freq 40 (default)':>17}")
+    default = Setting("freq", interval=40).label()
+    for p in curve:
+        d = next((t["hit_rate"] for t in p["tried"] if t["setting"] == default), None)
+        print(f"{p['slots']:>5}  {p['best'].label():<24} {p['result']['hit_rate']:>8.1%} {p['result']['uploads']:>8}  "
+              f"{'-' if d is None else format(d, '.1%'):>17}")
+    cfg = config_for(curve, budget, args.trace, args.max_uploads)
+    from .api import MOE_CACHE_OPTIONS
+
+    flags = " ".join(f"{MOE_CACHE_OPTIONS[k].flag} {v}" for k, v in cfg["options"].items())
+    print(f"recommended at {cfg['options']['moe_cache_slots']} slots: {flags} "
+          f"(expected hit rate {cfg['expected_hit_rate']:.1%} on this trace)")
+    if args.write_config:
+        Path(args.write_config).write_text(json.dumps(cfg, indent=2) + "\n")
+        print(f"wrote {args.write_config}: moecache-server --tune-config {args.write_config} -m MODEL ...")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(
+            {"trace": str(args.trace), "config": cfg,
+             "curve": [{"slots": p["slots"], "best": p["best"].label(), "result": p["result"], "tried": p["tried"]}
+                       for p in curve]}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
