@@ -6,6 +6,11 @@ does) for every policy setting of a grid and every slot count asked for. Per slo
 (the highest hit rate; fewer uploads break a tie) gives the hit-rate curve; the recommendation is the best
 setting at the slot count the user's VRAM allows (--slots-budget, by default the largest one tried). It is
 written as a config that moecache-server reads (--tune-config FILE) and as the flags to paste.
+
+With --swap-bench RESULT.json (a `moecache bench` result with an arm that swapped and one without), the
+prefill-phase swap's minimum prompt length comes from the measured costs too: a swap of cost c (its
+restore, in the swapped arm's prefill time) at a prompt rate R1 pays against the rate r0 without it from
+n > c / (1/r0 - 1/R1) tokens.
 """
 
 from __future__ import annotations
@@ -130,9 +135,74 @@ class ConfigError(ValueError):
     pass
 
 
+class SwapBenchError(ValueError):
+    pass
+
+
+def _median(x):
+    return x["median"] if isinstance(x, dict) else x
+
+
+def swap_break_even(result: dict, baseline: str | None = None) -> list[dict]:
+    """From a bench result: per swapped arm and prompt length, the swap's cost c (ms), the prompt rate
+    without a swap r0 (the baseline arm, or `baseline`), the swapped arm's rate net of the swap R1, and the
+    length from which the swap pays, c / (1/r0 - 1/R1) (None where it never does)."""
+    rows = result.get("results")
+    if not isinstance(rows, list):
+        raise SwapBenchError("not a moecache bench result (no \"results\" list)")
+    base = baseline or result.get("baseline")
+    r0 = {(r["prompt"], r["length"]): _median(r["prefill_tps"]) for r in rows
+          if r.get("arm") == base and r.get("users", 1) == 1 and not ((r.get("prefill_swap") or {}).get("swapped"))}
+    if not r0:
+        raise SwapBenchError(f"no unswapped one-user rows of the baseline arm {base!r}. Fix: name an arm without "
+                             "the swap with --swap-baseline")
+    out = []
+    for r in rows:
+        sw = r.get("prefill_swap") or {}
+        if r.get("users", 1) != 1 or not sw.get("swapped") or not sw.get("swap_ms"):
+            continue
+        key = (r["prompt"], r["length"])
+        if key not in r0:
+            continue
+        n = r["prompt_tokens"]
+        c = _median(sw["swap_ms"]) / 1000.0
+        t1 = n / _median(r["prefill_tps"])  # the server's prompt time includes the swap's
+        net = t1 - c
+        if net <= 0:
+            continue
+        gain = 1.0 / r0[key] - net / n  # seconds saved per prompt token once swapped
+        out.append({"arm": r["arm"], "prompt": r["prompt"], "length": n, "swap_ms": c * 1000.0,
+                    "r0": r0[key], "r1_net": n / net, "prefill_ubatch": sw.get("prefill_ubatch"),
+                    "break_even": (c / gain) if gain > 0 else None})
+    if not out:
+        raise SwapBenchError("no one-user row of an arm that swapped (prefill_swap.swapped > 0 with its swap_ms). "
+                             "Fix: run a scenario with a --prefill-ubatch arm and a baseline without it")
+    return out
+
+
+def swap_options(rows: list[dict], round_to: int = 64) -> dict:
+    """The swap's options from the break-even rows: the swapped arm's ubatch, and the largest break-even
+    (rounded up), but not below that ubatch: the rates were measured on prompts that fill it many times,
+    and a shorter prompt runs in one ubatch either way, so the linear model does not reach below it."""
+    paying = [r for r in rows if r["break_even"] is not None]
+    if not paying:
+        return {}
+    n = max(r["break_even"] for r in paying)
+    n = max(round_to, -(-int(n) // round_to) * round_to)
+    ubatch = max((r["prefill_ubatch"] or 0) for r in paying)
+    if not ubatch:
+        return {"prefill_min_tokens": n}
+    return {"prefill_ubatch": ubatch, "prefill_min_tokens": max(n, ubatch)}
+
+
+def _tables() -> dict:
+    from .api import MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
+
+    return {"expert cache": MOE_CACHE_OPTIONS, "prefill swap": PREFILL_SWAP_OPTIONS}
+
+
 def load_config(path: str | Path) -> dict:
-    """A config written by `moecache tune`: its options (api.MOE_CACHE_OPTIONS names), checked."""
-    from .api import MOE_CACHE_OPTIONS
+    """A config written by `moecache tune`: its options (the API's cache and swap option names), checked."""
 
     path = Path(path)
     try:
@@ -150,8 +220,15 @@ def load_config(path: str | Path) -> dict:
                           f"{CONFIG_VERSION}. Fix: run `moecache tune` again")
     from .api import _feature_options
 
-    try:  # the API's own checks: names, types, ranges (no environment: the file's values alone)
-        _feature_options(MOE_CACHE_OPTIONS, "expert cache", kwargs=data["options"], environ={})
+    tables = _tables()
+    known = {name for t in tables.values() for name in t}
+    unknown = sorted(set(data["options"]) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    try:  # the API's own checks: types, ranges, words (no environment: the file's values alone)
+        for feature, table in tables.items():
+            _feature_options(table, feature, kwargs={k: v for k, v in data["options"].items() if k in table},
+                             environ={})
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path}: {e}") from None
     return data["options"]
@@ -160,12 +237,12 @@ def load_config(path: str | Path) -> dict:
 def config_args(options: dict, user_args, environ) -> list[str]:
     """The llama-server flags of a tune config's options that neither the user's flags nor their environment
     already set (theirs win; llama-server lets a flag beat a variable, so ours would beat their variable)."""
-    from .api import MOE_CACHE_OPTIONS
     from .server import has_flag
 
+    table = {name: opt for t in _tables().values() for name, opt in t.items()}
     out = []
     for name, value in options.items():
-        opt = MOE_CACHE_OPTIONS[name]
+        opt = table[name]
         if has_flag(user_args, (opt.flag,)) or any(environ.get(v, "").strip() for v in opt.env_names):
             continue
         out += [opt.flag, str(value)]
@@ -194,6 +271,11 @@ def build_parser(prog: str = "moecache tune") -> argparse.ArgumentParser:
     p.add_argument("--max-uploads", type=int, default=2, help="uploads per layer and step (default 2)")
     p.add_argument("--warmup", type=int, default=0, help="tokens at the start not counted (default 0)")
     p.add_argument("--seq", type=int, default=None, help="only this sequence of the trace")
+    p.add_argument("--swap-bench", metavar="RESULT.json", default=None,
+                   help="a moecache bench result with an arm that swapped (--prefill-ubatch) and a baseline without: "
+                        "the swap's ubatch and minimum prompt length from its measured costs")
+    p.add_argument("--swap-baseline", metavar="ARM", default=None,
+                   help="the --swap-bench arm without the swap to compare with (default: the result's baseline)")
     p.add_argument("--write-config", metavar="FILE", default=None,
                    help="write the recommendation as a config for moecache-server --tune-config FILE")
     p.add_argument("--json", dest="json_out", default=None, help="also write the whole curve as JSON")
@@ -217,6 +299,13 @@ def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
     except TraceError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    swap_rows = None
+    if args.swap_bench:
+        try:
+            swap_rows = swap_break_even(json.loads(Path(args.swap_bench).read_text()), args.swap_baseline)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"{prog}: --swap-bench {args.swap_bench}: {e}", file=sys.stderr)
+            return 2
     slots = args.slots or [s for s in (8, 16, 32, 64, 128, 256, 512) if s < trace.n_expert] + [trace.n_expert]
     slots = [min(s, trace.n_expert) for s in slots]
     slots = sorted(set(slots))
@@ -240,9 +329,19 @@ def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
         print(f"{p['slots']:>5}  {p['best'].label():<24} {p['result']['hit_rate']:>8.1%} {p['result']['uploads']:>8}  "
               f"{'-' if d is None else format(d, '.1%'):>17}")
     cfg = config_for(curve, budget, args.trace, args.max_uploads)
-    from .api import MOE_CACHE_OPTIONS
-
-    flags = " ".join(f"{MOE_CACHE_OPTIONS[k].flag} {v}" for k, v in cfg["options"].items())
+    if swap_rows is not None:
+        print(f"{'swap arm':<14} {'tokens':>7} {'swap ms':>8} {'t/s without':>11} {'t/s swapped':>11} {'pays from':>10}")
+        for r in swap_rows:
+            pays = "never" if r["break_even"] is None else f"{r['break_even']:.0f}"
+            print(f"{r['arm']:<14} {r['length']:>7} {r['swap_ms']:>8.1f} {r['r0']:>11.0f} {r['r1_net']:>11.0f} {pays:>10}")
+        sw = swap_options(swap_rows)
+        if sw:
+            cfg["options"].update(sw)
+            cfg["swap_break_even"] = [{k: r[k] for k in ("arm", "length", "swap_ms", "break_even")} for r in swap_rows]
+        else:
+            print("the swap paid at no measured length: the config leaves it off")
+    table = {name: opt for t in _tables().values() for name, opt in t.items()}
+    flags = " ".join(f"{table[k].flag} {v}" for k, v in cfg["options"].items())
     print(f"recommended at {cfg['options']['moe_cache_slots']} slots: {flags} "
           f"(expected hit rate {cfg['expected_hit_rate']:.1%} on this trace)")
     if args.write_config:

@@ -145,3 +145,51 @@ def test_moecache_server_refuses_a_bad_config_without_starting(tmp_path, monkeyp
     bad.write_text('{"kind": "moecache-tune", "version": 1, "options": {"moe_cache_slots": -3}}')
     assert server.main(["--tune-config", str(bad), "-m", str(model)]) == 2
     assert runs == [] and "moe_cache_slots" in capsys.readouterr().err
+
+
+def bench_result(rows):
+    return {"baseline": "plain", "results": [
+        {"arm": arm, "prompt": "prose", "length": n, "users": 1, "prompt_tokens": n,
+         "prefill_tps": {"median": tps},
+         "prefill_swap": {"swapped": 1 if swap_ms else 0, "prefill_ubatch": 2048 if swap_ms else None,
+                          "swap_ms": {"median": swap_ms} if swap_ms else None}}
+        for arm, n, tps, swap_ms in rows]}
+
+
+def test_the_swap_s_minimum_length_comes_from_its_measured_cost():
+    # without the swap 1000 t/s; swapped, 4000 t/s net plus a 300 ms swap: pays from 300/(1/1 - 1/4) = 400
+    n = 16384
+    swapped_tps = n / (n / 4000 + 0.3)
+    rows = tune.swap_break_even(bench_result([("plain", n, 1000.0, None), ("swap", n, swapped_tps, 300.0)]))
+    [r] = rows
+    assert r["break_even"] == pytest.approx(400.0, rel=1e-6) and r["r1_net"] == pytest.approx(4000.0)
+    # not below the swapped ubatch: the rates hold only for prompts that fill it
+    assert tune.swap_options(rows) == {"prefill_ubatch": 2048, "prefill_min_tokens": 2048}
+    # a costlier swap: its break-even is above the ubatch, rounded up to 64
+    rows = tune.swap_break_even(bench_result([("plain", n, 1000.0, None), ("swap", n, n / (n / 4000 + 2.0), 2000.0)]))
+    assert rows[0]["break_even"] == pytest.approx(2666.67, rel=1e-4)
+    assert tune.swap_options(rows)["prefill_min_tokens"] == 2688
+
+
+def test_a_swap_that_never_pays_leaves_it_off():
+    n = 8192
+    rows = tune.swap_break_even(bench_result([("plain", n, 4000.0, None), ("swap", n, n / (n / 3000 + 0.2), 200.0)]))
+    assert rows[0]["break_even"] is None and tune.swap_options(rows) == {}
+
+
+def test_a_bench_result_without_what_it_needs_is_refused():
+    with pytest.raises(tune.SwapBenchError, match="baseline arm"):
+        tune.swap_break_even(bench_result([("swap", 8192, 3000.0, 200.0)]))
+    with pytest.raises(tune.SwapBenchError, match="no one-user row of an arm that swapped"):
+        tune.swap_break_even(bench_result([("plain", 8192, 3000.0, None)]))
+
+
+def test_main_puts_the_swap_into_the_config(trace_path, tmp_path):
+    n = 16384
+    res = tmp_path / "bench.json"
+    res.write_text(json.dumps(bench_result([("plain", n, 1000.0, None), ("swap", n, n / (n / 4000 + 0.3), 300.0)])))
+    cfg = tmp_path / "tune.json"
+    assert tune.main([str(trace_path), "--slots", "8", "--swap-bench", str(res), "--write-config", str(cfg)]) == 0
+    options = tune.load_config(cfg)
+    assert options["prefill_ubatch"] == 2048 and options["prefill_min_tokens"] == 2048
+    assert tune.config_args(options, [], {})[-4:] == ["--prefill-ubatch", "2048", "--prefill-min-tokens", "2048"]
