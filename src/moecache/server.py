@@ -71,6 +71,13 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help=f"serve a small synthetic MoE model (made once and cached; random weights, "
                         f"so the text it writes is gibberish). Listens on {DEFAULT_HOST}:{DEFAULT_PORT} "
                         f"unless --host/--port (or LLAMA_ARG_HOST/LLAMA_ARG_PORT) say otherwise")
+    p.add_argument("--dashboard", dest="dashboard", action="store_true", default=None,
+                   help="serve moecache's dashboard at the server's URL: expert heat per layer, hit rate over "
+                        "time, uploads, swaps, speculation per slot and a prompt box, live from the server's "
+                        "endpoints (the default; it takes the place of llama-server's web UI, as --path DIR "
+                        "would) (env: LLAMA_ARG_DASHBOARD)")
+    p.add_argument("--no-dashboard", dest="dashboard", action="store_false",
+                   help="serve llama-server's own web UI instead")
     p.add_argument("--tune-config", metavar="FILE", default=None,
                    help="apply the hot-expert cache settings `moecache tune TRACE --write-config FILE` chose "
                         "(its slots, policy and policy settings); your own flags and LLAMA_ARG_* variables win "
@@ -88,6 +95,27 @@ def split_args(argv: Sequence[str], prog: str = PROG) -> tuple[argparse.Namespac
         ours.help = True
         rest = [a for a in rest if a != "-h"]
     return ours, rest
+
+
+PATH_FLAGS = ("--path",)
+PATH_ENV = ("LLAMA_ARG_STATIC_PATH",)
+DASHBOARD_ENV = "LLAMA_ARG_DASHBOARD"
+
+
+def dashboard_dir() -> Path:
+    """The dashboard's files, shipped in the package."""
+    return Path(__file__).resolve().parent / "dashboard"
+
+
+def dashboard_args(wanted: bool | None, args: Sequence[str], environ) -> list[str]:
+    """`--path <dashboard>` unless it is turned off (--no-dashboard, LLAMA_ARG_DASHBOARD=0) or the user
+    serves their own static files (--path, LLAMA_ARG_STATIC_PATH)."""
+    if wanted is None:
+        word = environ.get(DASHBOARD_ENV, "").strip().lower()
+        wanted = word not in ("0", "false", "off", "no", "disabled")
+    if not wanted or has_flag(args, PATH_FLAGS) or _env_set(environ, PATH_ENV):
+        return []
+    return ["--path", str(dashboard_dir())]
 
 
 def find_flag_value(args: Sequence[str], names: Iterable[str]) -> str | None:
@@ -431,6 +459,8 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         rest = added + rest
         print(f"{prog}: tune config {tune_config}: {' '.join(added) or '(every setting already set by your flags or environment)'}",
               file=sys.stderr, flush=True)
+
+    rest = dashboard_args(ours.dashboard, rest, os.environ) + rest
 
     model = find_flag_value(rest, MODEL_FLAGS)
     if model is not None:

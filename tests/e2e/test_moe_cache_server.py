@@ -197,3 +197,18 @@ def test_the_cache_fills_between_the_ubatches_of_one_decode(tiny_model):
     tot = st["total"]
     assert n_prompt > 8 and tot["n_steps"] >= n_prompt - 1, (n_prompt, tot["n_steps"])
     assert tot["uploads"] > 0 and tot["hits"] > 0, tot
+
+
+def test_each_expert_s_routed_tokens_add_up_to_the_layer_s_routing(tiny_model):
+    """/moe-cache's "routed" (patch 0071, the dashboard's heat): per cached layer, each expert's routed
+    tokens since the stats were reset; they add up to the layer's hits + misses."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "4"], env=HOST, timeout=120) as srv:
+        complete(srv, PROMPTS[0], n_predict=16)
+        status, body = srv.get("/moe-cache")
+        assert status == 200
+        cache = body if isinstance(body, dict) else json.loads(body)
+        layers = [l for l in cache["layers"] if l["cached"]]
+        assert layers
+        for l in layers:
+            assert len(l["routed"]) == cache["n_expert"]
+            assert sum(l["routed"]) == l["hits"] + l["misses"] > 0
