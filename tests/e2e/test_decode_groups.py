@@ -190,3 +190,19 @@ def test_a_negative_count_is_refused(tiny_model, llama_server_bin):
 def test_the_option_and_its_variable_are_in_the_help(llama_server_bin):
     text = server_help(llama_server_bin)
     assert "--decode-groups" in text and "LLAMA_ARG_DECODE_GROUPS" in text
+
+
+def test_a_full_kv_cache_fails_the_requests_as_upstream_does_and_never_hangs(tiny_model):
+    """A unified KV cache of 256 cells, two sessions that need more: a group's decode finds no room. The
+    groups give the step back (they used to form again on the same failing batch, forever); upstream's
+    step halves the batch and fails the requests, and the server answers on."""
+    args = ["-t", "2", "-c", "256", "-np", "2", "-kvu", "-ub", "32", "--cache-ram", "0", "--decode-groups", "2"]
+    body = lambda p: {"prompt": p, "n_predict": 230, "temperature": 0.0, "cache_prompt": False}
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: srv.post("/completion", body(p), timeout=120), [PROMPTS[0], PROMPTS[1]]))
+        after = complete(srv, PROMPTS[0], n_predict=4)
+        log = srv.log_text()
+    assert "no room in the KV cache for a group's tokens" in log, log[-3000:]
+    assert any(status != 200 for status, _ in outs), outs  # as upstream: the context was exceeded
+    assert len(after["tokens"]) == 4
