@@ -33,6 +33,48 @@ def complete(srv, prompt, n_predict=32, **extra):
     return out
 
 
+def slot_server_args(n_slots, *args, rpc_ports=()):
+    """llama-server arguments for n_slots sessions, each with a KV cache of its own (-no-kvu), over the
+    rpc-servers at rpc_ports if any."""
+    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
+    return ["-t", "2", "-c", str(512 * n_slots), "-np", str(n_slots), "-no-kvu", "-ngl", "99", "-ub", "32",
+            "--cache-ram", "0", "--metrics", *rpc, *args]
+
+
+def session_prompts(n):
+    """n prompts of different lengths, one per slot."""
+    return [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(n)]
+
+
+def solo_and_together(srv, n_predict):
+    """Request i (session_prompts' i-th prompt, n_predict[i] tokens) on slot i: first each alone, then all
+    at once."""
+    reqs = list(zip(session_prompts(len(n_predict)), n_predict, range(len(n_predict))))
+    solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
+    return solo, together
+
+
+def assert_same_tokens(solo, together, bound=2e-2):
+    """The same tokens, log-probabilities within the bound of a batch's other shapes."""
+    for a, b in zip(solo, together):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < bound
+
+
+def metric_values(srv, prefix):
+    """{name: value} of the llamacpp:<prefix>... series in /metrics (empty where none is reported)."""
+    status, text = srv.get("/metrics")
+    assert status == 200, text
+    out = {}
+    for line in str(text).splitlines():
+        if line.startswith("llamacpp:" + prefix):
+            name, value = line.split()
+            out[name.split(":", 1)[1]] = int(float(value))
+    return out
+
+
 def complete_requests(srv, requests, n_parallel=1, concurrent=False):
     """Greedy completions of (prompt, n_predict) pairs with the prompt cache on: one after the other
     (with several slots, on the slots in turn), or n_parallel at a time."""
@@ -49,6 +91,15 @@ def server_help(llama_server_bin) -> str:
 
     return subprocess.run([str(llama_server_bin), "--help"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=60).stdout
+
+
+def assert_refused(llama_server_bin, model, args, message):
+    """llama-server exits with an error that says `message` for these arguments."""
+    import subprocess
+
+    r = subprocess.run([str(llama_server_bin), "-m", str(model), *args], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert r.returncode != 0 and message in r.stdout, r.stdout[-2000:]
 
 
 def assert_options_in_help(help_text: str, table) -> None:

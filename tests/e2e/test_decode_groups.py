@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, max_logprob_diff, server_help
+from moe_cache_checks import (PROMPTS, assert_refused, assert_same_tokens, complete, metric_values, server_help,
+                              session_prompts, slot_server_args, solo_and_together)
 from moecache.server import ServerProcess
 
 N_SLOTS = 4
@@ -34,40 +35,20 @@ QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-t
 
 
 def server_args(*args, rpc_ports=()):
-    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
-    return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ngl", "99", "-ub", "32",
-            "--cache-ram", "0", "--metrics", *rpc, *args]
+    return slot_server_args(N_SLOTS, *args, rpc_ports=rpc_ports)
 
 
 def prompts():
-    return [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
+    return session_prompts(N_SLOTS)
 
 
 def run_sessions(srv):
-    """The requests of N_PREDICT on their slots: first each alone, then all at once."""
-    reqs = list(zip(prompts(), N_PREDICT, range(N_SLOTS)))
-    solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
-    with ThreadPoolExecutor(N_SLOTS) as pool:
-        together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
-    return solo, together
+    return solo_and_together(srv, N_PREDICT)
 
 
 def group_metrics(srv):
     """{name: value} of the llamacpp:decode_group_* counters in /metrics (empty where not reported)."""
-    status, text = srv.get("/metrics")
-    assert status == 200, text
-    out = {}
-    for line in str(text).splitlines():
-        if line.startswith("llamacpp:decode_group_"):
-            name, value = line.split()
-            out[name.split(":", 1)[1]] = int(float(value))
-    return out
-
-
-def assert_same_tokens(solo, together):
-    for a, b in zip(solo, together):
-        assert a["tokens"] == b["tokens"]
-        assert max_logprob_diff(a, b) < 2e-2
+    return metric_values(srv, "decode_group_")
 
 
 @pytest.fixture(scope="module")
@@ -180,11 +161,7 @@ def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
 
 
 def test_a_negative_count_is_refused(tiny_model, llama_server_bin):
-    import subprocess
-
-    r = subprocess.run([str(llama_server_bin), "-m", str(tiny_model), "--decode-groups", "-1"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
-    assert r.returncode != 0 and "--decode-groups must be >= 0" in r.stdout
+    assert_refused(llama_server_bin, tiny_model, ["--decode-groups", "-1"], "--decode-groups must be >= 0")
 
 
 def test_the_option_and_its_variable_are_in_the_help(llama_server_bin):

@@ -11,11 +11,10 @@ prefill chunks and decode groups, with every request's solo tokens.
 from __future__ import annotations
 
 import re
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, max_logprob_diff
+from moe_cache_checks import PROMPTS, assert_same_tokens, complete, solo_and_together
 from moecache.server import ServerProcess
 
 N_SLOTS = 4
@@ -36,20 +35,14 @@ def server_args(ports, *args):
 ], ids=["cpu-layers", "host-kv"])
 def test_a_split_without_the_pipeline_says_why_and_every_switch_works(tiny_model, rpc_servers, placement, why):
     ports = rpc_servers(2)
-    prompts = [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
-    reqs = list(zip(prompts, N_PREDICT, range(N_SLOTS)))
     with ServerProcess(tiny_model, args=server_args(ports, *placement, *SWITCHES), timeout=180) as srv:
-        solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
-        with ThreadPoolExecutor(N_SLOTS) as pool:
-            together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
+        solo, together = solo_and_together(srv, N_PREDICT)
         log = srv.log_text()
     assert re.search(why, log), log[-4000:]
     assert "pipeline parallelism enabled" not in log
     assert "sequence compaction on" in log and "decode groups on" in log
     assert re.search(r"decode groups: \d+ generating slots in \d+ groups: \[", log), log[-3000:]
-    for a, b in zip(solo, together):
-        assert a["tokens"] == b["tokens"]
-        assert max_logprob_diff(a, b) < 2e-2
+    assert_same_tokens(solo, together)
 
 
 def test_a_full_split_keeps_the_pipeline_and_says_nothing_of_it(tiny_model, rpc_servers):

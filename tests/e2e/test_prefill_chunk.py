@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, max_logprob_diff, real_text, server_help
+from moe_cache_checks import PROMPTS, assert_refused, complete, max_logprob_diff, real_text, server_help
 from moecache.server import ServerProcess
 
 CHUNK = 32
@@ -94,11 +94,7 @@ def test_the_variable_sets_it_and_a_bad_value_is_refused(tiny_model, llama_serve
         prompt_beside_a_decoder(srv)
         log = srv.log_text()
     assert any(cap == CHUNK for _, _, cap in (map(int, m.groups()) for m in STEP.finditer(log)))
-    import subprocess
-
-    r = subprocess.run([str(llama_server_bin), "-m", str(tiny_model), "--prefill-chunk", "-1"],
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
-    assert r.returncode != 0 and "--prefill-chunk must be >= 0" in r.stdout
+    assert_refused(llama_server_bin, tiny_model, ["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0")
 
 
 def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):

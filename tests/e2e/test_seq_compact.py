@@ -11,11 +11,10 @@ within the bound of a batch's other shapes (as for five sessions elsewhere).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from moe_cache_checks import PROMPTS, complete, max_logprob_diff, server_help
+from moe_cache_checks import (PROMPTS, assert_same_tokens, complete, metric_values, server_help, session_prompts,
+                              slot_server_args, solo_and_together)
 from moecache.server import ServerProcess
 
 N_SLOTS = 4
@@ -26,38 +25,20 @@ QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-t
 
 
 def server_args(*args, rpc_ports=()):
-    rpc = ["--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports)] if rpc_ports else []
-    return ["-t", "2", "-c", str(512 * N_SLOTS), "-np", str(N_SLOTS), "-no-kvu", "-ngl", "99", "-ub", "32",
-            "--cache-ram", "0", "--metrics", *rpc, *args]
+    return slot_server_args(N_SLOTS, *args, rpc_ports=rpc_ports)
 
 
 def prompts():
-    return [PROMPTS[i % len(PROMPTS)] * (i + 2) for i in range(N_SLOTS)]
+    return session_prompts(N_SLOTS)
 
 
 def run_sessions(srv):
-    """The requests of N_PREDICT on their slots: first each alone, then all at once."""
-    reqs = list(zip(prompts(), N_PREDICT, range(N_SLOTS)))
-    solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
-    with ThreadPoolExecutor(N_SLOTS) as pool:
-        together = list(pool.map(lambda r: complete(srv, r[0], n_predict=r[1], id_slot=r[2]), reqs))
-    return solo, together
+    return solo_and_together(srv, N_PREDICT)
 
 
 def compaction_moves(srv):
     """llamacpp:seq_compact_moves_total from /metrics, None where the server does not report it."""
-    status, text = srv.get("/metrics")
-    assert status == 200, text
-    for line in str(text).splitlines():
-        if line.startswith("llamacpp:seq_compact_moves_total "):
-            return int(float(line.split()[1]))
-    return None
-
-
-def assert_same_tokens(solo, together):
-    for a, b in zip(solo, together):
-        assert a["tokens"] == b["tokens"]
-        assert max_logprob_diff(a, b) < 2e-2
+    return metric_values(srv, "seq_compact_moves_total").get("seq_compact_moves_total")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-from moe_cache_checks import PROMPTS, assert_same_outputs, complete
+from moe_cache_checks import PROMPTS, assert_same_outputs, complete, metric_values
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -40,12 +40,7 @@ def models(demo_and_qwen4exp):
 
 
 def steps(srv):
-    status, text = srv.get("/metrics")
-    assert status == 200, text
-    for line in str(text).splitlines():
-        if line.startswith("llamacpp:decode_group_steps_total "):
-            return int(float(line.split()[1]))
-    return None
+    return metric_values(srv, "decode_group_steps_total").get("decode_group_steps_total")
 
 
 def run(model, args, **env):
