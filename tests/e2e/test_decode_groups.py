@@ -34,18 +34,6 @@ NO_EVENTS = "output slots: the device records no events, a read waits for all wo
 QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
 
 
-def server_args(*args, rpc_ports=()):
-    return slot_server_args(N_SLOTS, *args, rpc_ports=rpc_ports)
-
-
-def prompts():
-    return session_prompts(N_SLOTS)
-
-
-def run_sessions(srv):
-    return solo_and_together(srv, N_PREDICT)
-
-
 def group_metrics(srv):
     """{name: value} of the llamacpp:decode_group_* counters in /metrics (empty where not reported)."""
     return metric_values(srv, "decode_group_")
@@ -61,10 +49,11 @@ def models(tiny_model, qwen4exp):
 def test_groups_form_and_every_request_keeps_its_solo_tokens(models, rpc_servers, name, n_rpc, split):
     model, extra = models[name]
     ports = rpc_servers(n_rpc) if n_rpc else ()
-    args = server_args(*extra, *split, "--decode-groups", "2", rpc_ports=ports)
+    args = slot_server_args(N_SLOTS, *extra, *split, "--decode-groups", "2", rpc_ports=ports)
     with ServerProcess(model, args=args, env={"LLAMA_ARG_LOG_VERBOSITY": "5"}, timeout=180) as srv:
-        solo, together = run_sessions(srv)
-        after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on, upstream's step
+        solo, together = solo_and_together(srv, N_PREDICT)
+        # the server answers on, in upstream's step
+        after = complete(srv, session_prompts(N_SLOTS)[0], n_predict=N_PREDICT[0])
         counters = group_metrics(srv)
         log = srv.log_text()
     assert ON in log
@@ -84,7 +73,7 @@ def test_a_prompt_arriving_drains_the_groups(tiny_model):
     """Two long sessions decode in groups; a third request arrives meanwhile: its prompt drains the groups
     (upstream's step takes it beside the decoders), and once it generates too the groups form again."""
     reqs = [(PROMPTS[i % len(PROMPTS)] * (i + 2), n, i) for i, n in enumerate([60, 60, 20])]
-    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2"), timeout=180) as srv:
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--decode-groups", "2"), timeout=180) as srv:
         solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
         with ThreadPoolExecutor(3) as pool:
             first = [pool.submit(complete, srv, p, n_predict=n, id_slot=s) for p, n, s in reqs[:2]]
@@ -99,8 +88,8 @@ def test_a_prompt_arriving_drains_the_groups(tiny_model):
 
 
 def test_off_by_default_no_groups(tiny_model):
-    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
-        solo, together = run_sessions(srv)
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS), timeout=180) as srv:
+        solo, together = solo_and_together(srv, N_PREDICT)
         counters = group_metrics(srv)
         log = srv.log_text()
     assert ON not in log and not FORMED.search(log) and counters == {}
@@ -108,7 +97,8 @@ def test_off_by_default_no_groups(tiny_model):
 
 
 def test_the_option_reads_its_environment_variable(tiny_model):
-    with ServerProcess(tiny_model, args=server_args(), env={"LLAMA_ARG_DECODE_GROUPS": "3"}, timeout=180) as srv:
+    env = {"LLAMA_ARG_DECODE_GROUPS": "3"}
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS), env=env, timeout=180) as srv:
         log = srv.log_text()
     assert "decode groups on: up to 3 groups" in log
 
@@ -117,9 +107,9 @@ def test_a_failed_set_up_turns_groups_off_and_changes_no_output(tiny_model):
     """LLAMA_DECODE_GROUPS_FAULT=1: setting up the output slots fails. A warning says so, the slots decode
     in one batch per step with their solo tokens, and the server answers on."""
     env = {"LLAMA_DECODE_GROUPS_FAULT": "1"}
-    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2"), env=env, timeout=180) as srv:
-        solo, together = run_sessions(srv)
-        again = complete(srv, prompts()[0], n_predict=N_PREDICT[0], id_slot=2)
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--decode-groups", "2"), env=env, timeout=180) as srv:
+        solo, together = solo_and_together(srv, N_PREDICT)
+        again = complete(srv, session_prompts(N_SLOTS)[0], n_predict=N_PREDICT[0], id_slot=2)
         counters = group_metrics(srv)
         log = srv.log_text()
     assert "could not be set up (LLAMA_DECODE_GROUPS_FAULT); groups are off from here" in log
@@ -134,10 +124,10 @@ def test_a_failed_set_up_turns_groups_off_and_changes_no_output(tiny_model):
 def test_n_gram_drafting_works_in_groups(tiny_model, spec):
     """A group's step drafts for its own slots only (another group's draft may be in flight) and verifies
     them when its tokens are sampled: drafts are verified, so the tokens are the solo runs'."""
-    args = server_args("--decode-groups", "2", "--spec-type", *spec, "--spec-min-accept", "0",
+    args = slot_server_args(N_SLOTS, "--decode-groups", "2", "--spec-type", *spec, "--spec-min-accept", "0",
                        "--spec-max-users", "0")
     with ServerProcess(tiny_model, args=args, timeout=180) as srv:
-        solo, together = run_sessions(srv)
+        solo, together = solo_and_together(srv, N_PREDICT)
         counters = group_metrics(srv)
         log = srv.log_text()
     assert ON in log and FORMED.search(log), log[-3000:]
@@ -149,11 +139,12 @@ def test_n_gram_drafting_works_in_groups(tiny_model, spec):
 
 @pytest.mark.parametrize("args,line", [
     (["-np", "1"], "--decode-groups is off with one slot"),
-    (["-md", "DRAFT", "--spec-type", "draft-simple"], "--decode-groups is off with a draft model's speculative decoding"),
+    (["-md", "DRAFT", "--spec-type", "draft-simple"],
+     "--decode-groups is off with a draft model's speculative decoding"),
 ])
 def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
     args = [str(tiny_model) if a == "DRAFT" else a for a in args]  # the model drafts for itself
-    with ServerProcess(tiny_model, args=server_args("--decode-groups", "2", *args), timeout=180) as srv:
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--decode-groups", "2", *args), timeout=180) as srv:
         out = complete(srv, PROMPTS[0], n_predict=4)
         log = srv.log_text()
     assert line in log and ON not in log

@@ -24,18 +24,6 @@ ON = "sequence compaction on"
 QWEN4EXP_ARGS = ["-fa", "on", "--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"]
 
 
-def server_args(*args, rpc_ports=()):
-    return slot_server_args(N_SLOTS, *args, rpc_ports=rpc_ports)
-
-
-def prompts():
-    return session_prompts(N_SLOTS)
-
-
-def run_sessions(srv):
-    return solo_and_together(srv, N_PREDICT)
-
-
 def compaction_moves(srv):
     """llamacpp:seq_compact_moves_total from /metrics, None where the server does not report it."""
     return metric_values(srv, "seq_compact_moves_total").get("seq_compact_moves_total")
@@ -50,9 +38,11 @@ def models(tiny_model, qwen4exp):
 def test_a_generating_slot_moves_into_the_gap_and_its_tokens_stay(models, rpc_servers, name, n_rpc):
     model, extra = models[name]
     ports = rpc_servers(n_rpc) if n_rpc else ()
-    with ServerProcess(model, args=server_args(*extra, "--seq-compact", rpc_ports=ports), timeout=180) as srv:
-        solo, together = run_sessions(srv)
-        after = complete(srv, prompts()[0], n_predict=N_PREDICT[0])  # the server answers on after the moves
+    args = slot_server_args(N_SLOTS, *extra, "--seq-compact", rpc_ports=ports)
+    with ServerProcess(model, args=args, timeout=180) as srv:
+        solo, together = solo_and_together(srv, N_PREDICT)
+        # the server answers on after the moves
+        after = complete(srv, session_prompts(N_SLOTS)[0], n_predict=N_PREDICT[0])
         moves = compaction_moves(srv)
         log = srv.log_text()
     assert ON in log
@@ -67,8 +57,8 @@ def test_a_generating_slot_moves_into_the_gap_and_its_tokens_stay(models, rpc_se
 
 
 def test_off_by_default_nothing_moves(tiny_model):
-    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
-        solo, together = run_sessions(srv)
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS), timeout=180) as srv:
+        solo, together = solo_and_together(srv, N_PREDICT)
         moves = compaction_moves(srv)
         log = srv.log_text()
     assert ON not in log and "moved from slot" not in log and moves is None
@@ -77,7 +67,8 @@ def test_off_by_default_nothing_moves(tiny_model):
 
 
 def test_the_switch_reads_its_environment_variable(tiny_model):
-    with ServerProcess(tiny_model, args=server_args(), env={"LLAMA_ARG_SEQ_COMPACT": "1"}, timeout=180) as srv:
+    env = {"LLAMA_ARG_SEQ_COMPACT": "1"}
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS), env=env, timeout=180) as srv:
         log = srv.log_text()
     assert ON in log
 
@@ -86,9 +77,9 @@ def test_a_failed_move_turns_compaction_off_and_changes_no_output(tiny_model):
     """LLAMA_SEQ_COMPACT_FAULT=1: the check before every move fails. Nothing moves, a warning says so, the
     requests end in their own slots with their solo tokens, and the server answers on."""
     env = {"LLAMA_SEQ_COMPACT_FAULT": "1"}
-    with ServerProcess(tiny_model, args=server_args("--seq-compact"), env=env, timeout=180) as srv:
-        solo, together = run_sessions(srv)
-        again = complete(srv, prompts()[0], n_predict=N_PREDICT[0], id_slot=2)
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--seq-compact"), env=env, timeout=180) as srv:
+        solo, together = solo_and_together(srv, N_PREDICT)
+        again = complete(srv, session_prompts(N_SLOTS)[0], n_predict=N_PREDICT[0], id_slot=2)
         log = srv.log_text()
     assert "failed its check (LLAMA_SEQ_COMPACT_FAULT); compaction is off from here" in log
     assert "moved from slot" not in log
@@ -103,9 +94,10 @@ def test_a_failed_move_turns_compaction_off_and_changes_no_output(tiny_model):
 def test_n_gram_drafting_moves_with_the_session(tiny_model, spec):
     """The n-gram drafters keep a map per sequence (and what it indexed): a move swaps them with the slots,
     so the moved session drafts from its own text. Drafts are verified, so the tokens are the solo runs'."""
-    args = server_args("--seq-compact", "--spec-type", *spec, "--spec-min-accept", "0", "--spec-max-users", "0")
+    args = slot_server_args(N_SLOTS, "--seq-compact", "--spec-type", *spec, "--spec-min-accept", "0",
+                            "--spec-max-users", "0")
     with ServerProcess(tiny_model, args=args, timeout=180) as srv:
-        solo, together = run_sessions(srv)
+        solo, together = solo_and_together(srv, N_PREDICT)
         log = srv.log_text()
     assert ON in log and "moved from slot" in log, log[-3000:]
     assert sum(o["timings"].get("draft_n", 0) for o in together) > 0  # the drafters did draft
@@ -119,7 +111,7 @@ def test_n_gram_drafting_moves_with_the_session(tiny_model, spec):
 ])
 def test_where_it_cannot_act_it_says_why(tiny_model, args, line):
     args = [str(tiny_model) if a == "DRAFT" else a for a in args]  # the model drafts for itself
-    with ServerProcess(tiny_model, args=server_args("--seq-compact", *args), timeout=180) as srv:
+    with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--seq-compact", *args), timeout=180) as srv:
         out = complete(srv, PROMPTS[0], n_predict=4)
         log = srv.log_text()
     assert line in log and ON not in log
