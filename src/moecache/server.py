@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 
-from .api import MOE_CACHE_OPTIONS
+from .api import _FALSE_WORDS, MOE_CACHE_OPTIONS
 from .gguf import check_model_file
 
 DEFAULT_HOST = "127.0.0.1"
@@ -112,7 +112,7 @@ def dashboard_args(wanted: bool | None, args: Sequence[str], environ) -> list[st
     serves their own static files (--path, LLAMA_ARG_STATIC_PATH)."""
     if wanted is None:
         word = environ.get(DASHBOARD_ENV, "").strip().lower()
-        wanted = word not in ("0", "false", "off", "no", "disabled")
+        wanted = word not in _FALSE_WORDS  # llama.cpp's falsey words, as every boolean variable
     if not wanted or has_flag(args, PATH_FLAGS) or _env_set(environ, PATH_ENV):
         return []
     return ["--path", str(dashboard_dir())]

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache_sim import TraceError, load_trace, simulate
+from .cache_sim import TraceError, _policies, load_trace, simulate
 
 CONFIG_KIND = "moecache-tune"
 CONFIG_VERSION = 1
@@ -201,6 +201,11 @@ def _tables() -> dict:
     return {"expert cache": MOE_CACHE_OPTIONS, "prefill swap": PREFILL_SWAP_OPTIONS}
 
 
+def _option_table() -> dict:
+    """Option name -> its FeatureOption, over the features a tune config sets."""
+    return {name: opt for t in _tables().values() for name, opt in t.items()}
+
+
 def load_config(path: str | Path) -> dict:
     """A config written by `moecache tune`: its options (the API's cache and swap option names), checked."""
 
@@ -239,11 +244,11 @@ def config_args(options: dict, user_args, environ) -> list[str]:
     already set (theirs win; llama-server lets a flag beat a variable, so ours would beat their variable)."""
     from .server import has_flag
 
-    table = {name: opt for t in _tables().values() for name, opt in t.items()}
+    table = _option_table()
     out = []
     for name, value in options.items():
         opt = table[name]
-        if has_flag(user_args, (opt.flag,)) or any(environ.get(v, "").strip() for v in opt.env_names):
+        if has_flag(user_args, (opt.flag,)) or opt.from_environment(environ) is not None:
             continue
         out += [opt.flag, str(value)]
     return out
@@ -286,10 +291,10 @@ def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
     from ._progress import Progress
 
     args = build_parser(prog).parse_args(argv)
-    policies = [x.strip() for x in args.policy.split(",") if x.strip()]
-    bad = [x for x in policies if x not in ("freq", "lru")]
-    if bad or not policies:
-        print(f"{prog}: --policy takes freq and/or lru, got {args.policy!r}", file=sys.stderr)
+    try:
+        policies = _policies(args.policy)
+    except argparse.ArgumentTypeError as e:
+        print(f"{prog}: --policy: {e}", file=sys.stderr)
         return 2
     if args.max_uploads < 1:
         print(f"{prog}: --max-uploads must be >= 1", file=sys.stderr)
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
             cfg["swap_break_even"] = [{k: r[k] for k in ("arm", "length", "swap_ms", "break_even")} for r in swap_rows]
         else:
             print("the swap paid at no measured length: the config leaves it off")
-    table = {name: opt for t in _tables().values() for name, opt in t.items()}
+    table = _option_table()
     flags = " ".join(f"{table[k].flag} {v}" for k, v in cfg["options"].items())
     print(f"recommended at {cfg['options']['moe_cache_slots']} slots: {flags} "
           f"(expected hit rate {cfg['expected_hit_rate']:.1%} on this trace)")

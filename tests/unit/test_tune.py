@@ -108,7 +108,7 @@ def test_bad_arguments_are_refused(trace_path, capsys):
     assert tune.main([str(trace_path), "--slots", "8,16", "--slots-budget", "4"]) == 2
     assert tune.main([str(trace_path.parent / "missing.jsonl")]) == 2
     err = capsys.readouterr().err
-    assert "--policy takes freq and/or lru" in err and "below every tried slot count" in err and "not found" in err
+    assert "--policy: policies are 'freq' and 'lru'" in err and "below every tried slot count" in err and "not found" in err
 
 
 def _fake_run(monkeypatch, tmp_path):
