@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [qsa-ops] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -209,6 +209,16 @@ while [ $i -lt ${#phases[@]} ]; do
             log "model: made in $(( $(date +%s) - t0 )) s"
         fi
         ;;
+    plan)
+        # issue 15: `moecache plan` for the 30B shape (PLAN_ARGS: its flags; default a 24 GiB card, 2 users of 32k)
+        wait_ahead plan
+        q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
+        # shellcheck disable=SC2086
+        set -- ${PLAN_ARGS:---gpu-mem 24 --ctx 32768 --users 2 --server-arg=-fa --server-arg=on}
+        log "plan: moecache plan $(basename "$q30") $*"
+        python3 -m moecache plan "$q30" "$@" 2>&1 | tee "$out/plan.txt" | tee -a "$out/run.log"
+        python3 -m moecache plan "$q30" "$@" --json > "$out/plan.json" 2>> "$out/run.log" || true
+        ;;
     drop-models)
         # the disk holds one large synthetic model at a time (64 GB): drop the cached ones before a
         # scenario of another shape makes its own
@@ -226,7 +236,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, qsa-ops, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, qsa-ops, plan, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 
-from .api import _FALSE_WORDS, MOE_CACHE_OPTIONS
+from .api import _FALSE_WORDS, MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
 from .gguf import check_model_file
 
 DEFAULT_HOST = "127.0.0.1"
@@ -82,6 +82,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="apply the hot-expert cache settings `moecache tune TRACE --write-config FILE` chose "
                         "(its slots, policy and policy settings); your own flags and LLAMA_ARG_* variables win "
                         "(env: LLAMA_ARG_TUNE_CONFIG)")
+    p.add_argument("--plan", choices=("auto", "off"), default=None,
+                   help="auto: size the GPU layers, the experts' placement, the hot-expert cache's slots and the "
+                        "prefill-phase swap's ubatch with `moecache plan` for your -c (total context, default "
+                        "8192 per user), -np and -ub before starting; your own flags and LLAMA_ARG_* variables win "
+                        "(env: LLAMA_ARG_PLAN)")
+    p.add_argument("--plan-gpu-mem", metavar="GIB[,GIB...]", default=None,
+                   help="with --plan auto: the budget of each GPU in GiB (default: what each has free at start) "
+                        "(env: LLAMA_ARG_PLAN_GPU_MEM)")
     return p
 
 
@@ -167,6 +175,25 @@ REPACK_ENV = ("LLAMA_ARG_REPACK", "LLAMA_ARG_NO_REPACK")  # llama.cpp also reads
 METRICS_FLAGS = ("--metrics",)
 METRICS_ENV = ("LLAMA_ARG_ENDPOINT_METRICS",)
 HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"  # test device: the slot banks in host memory
+
+# --plan auto: what a plan sets, as (the flags that set it, the variables that set it); the plan's flag is
+# the first. A setting the user's flags or environment decide is left to them.
+PARALLEL_FLAGS = ("-np", "--parallel")
+PARALLEL_ENV = ("LLAMA_ARG_N_PARALLEL",)
+UBATCH_FLAGS = ("-ub", "--ubatch-size")
+UBATCH_ENV = ("LLAMA_ARG_UBATCH",)
+PLAN_SETTINGS = {
+    "-ngl": (("-ngl", "--gpu-layers", "--n-gpu-layers"), ("LLAMA_ARG_N_GPU_LAYERS",)),
+    "-c": (CTX_FLAGS, CTX_ENV),
+    "-np": (PARALLEL_FLAGS, PARALLEL_ENV),
+    "-ub": (UBATCH_FLAGS, UBATCH_ENV),
+    "-b": (("-b", "--batch-size"), ("LLAMA_ARG_BATCH",)),
+    "--cpu-moe": (EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV),
+    "--no-repack": (REPACK_FLAGS, REPACK_ENV),
+    "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
+    "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),
+    "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
+}
 
 
 # --------------------------------------------------------------------------- demo model
@@ -281,6 +308,44 @@ def demo_cache_setup(rest: Sequence[str], environ: Mapping[str, str], cuda: Sequ
     else:
         what = f"hot-expert cache, {DEMO_CACHE_SLOTS} slots per layer {where}, experts in host memory"
     return args, env, what
+
+
+def plan_request_from_args(model: str, rest: Sequence[str], environ: Mapping[str, str], gpu_mem: str | None):
+    """The `moecache plan` request of a server command line: its -c (the total context), -np and -ub, and the
+    whole command line as the arguments the plan is probed with (so that its -fa, KV types, ... count)."""
+    from .plan import PlanError, Request, _gib_list
+
+    def number(flags, env, default: int, what: str) -> int:
+        text = setting_value(rest, environ, flags, env, str(default))
+        try:
+            return int(text)
+        except ValueError:
+            raise PlanError(f"--plan auto: {what} is not a number ({text!r})") from None
+
+    users = max(1, number(PARALLEL_FLAGS, PARALLEL_ENV, 1, "-np"))
+    ctx_total = number(CTX_FLAGS, CTX_ENV, 0, "-c")
+    ctx = ctx_total // users if ctx_total > 0 else 8192
+    try:
+        budgets = _gib_list(gpu_mem) if gpu_mem else None
+    except argparse.ArgumentTypeError as e:
+        raise PlanError(f"--plan-gpu-mem: {e}") from None
+    return Request(Path(model), ctx=max(1, ctx), users=users, ubatch=number(UBATCH_FLAGS, UBATCH_ENV, 512, "-ub"),
+                   gpu_mem_gib=budgets, probe_args=list(rest))
+
+
+def planned_args(plan_args: Sequence[str], rest: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The plan's flags the user's own flags and environment leave open, in the plan's order."""
+    out: list[str] = []
+    i = 0
+    while i < len(plan_args):
+        flag = plan_args[i]
+        takes_value = i + 1 < len(plan_args) and not plan_args[i + 1].startswith("-")
+        pair = list(plan_args[i:i + 2]) if takes_value else [flag]
+        flags, env = PLAN_SETTINGS.get(flag, ((flag,), ()))
+        if not user_decides(rest, environ, flags, env):
+            out += pair
+        i += len(pair)
+    return out
 
 
 # --------------------------------------------------------------------------- running the server
@@ -469,6 +534,30 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         if problem:
             print(f"moecache-server: {problem}", file=sys.stderr)
             return EXIT_USAGE
+
+    plan_mode = ours.plan or os.environ.get("LLAMA_ARG_PLAN", "").strip().lower() or "off"
+    if plan_mode not in ("auto", "off"):
+        print(f"{prog}: LLAMA_ARG_PLAN must be auto or off (got {plan_mode!r})", file=sys.stderr)
+        return EXIT_USAGE
+    if plan_mode == "auto":
+        from .plan import PlanError, make_plan
+
+        model = model or setting_value(rest, os.environ, MODEL_FLAGS, MODEL_ENV, "")
+        if not model:
+            print(f"{prog}: --plan auto plans for a model: give -m MODEL.gguf", file=sys.stderr)
+            return EXIT_USAGE
+        gpu_mem = ours.plan_gpu_mem or os.environ.get("LLAMA_ARG_PLAN_GPU_MEM", "").strip() or None
+        try:
+            plan = make_plan(plan_request_from_args(model, rest, os.environ, gpu_mem),
+                             environ={**os.environ, **(env or {})})
+        except (PlanError, FileNotFoundError) as e:
+            print(f"{prog}: --plan auto: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        added = planned_args(plan.args(), rest, os.environ)
+        rest = added + rest
+        print(plan.render(), file=sys.stderr)
+        print(f"{prog}: plan: {' '.join(added) or '(every setting already set by your flags or environment)'}",
+              file=sys.stderr, flush=True)
 
     try:
         exe = _server_binary()

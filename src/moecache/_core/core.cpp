@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +28,7 @@
 #include <regex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -1141,6 +1143,93 @@ struct policy_handle {
     }
 };
 
+// Bandwidths for a plan's rate bounds, bytes per second, best of `reps`: a parallel read of host memory by
+// `threads` threads (what CPU expert matmuls stream at decode), and for a device: a copy within its memory
+// (read and write counted, what its kernels stream) and a copy to it from pinned host memory (what the
+// stock path streams per prompt ubatch when the experts are in host memory).
+static double best_seconds(int reps, const std::function<void()> & fn) {
+    double best = 1e30;
+    for (int r = 0; r < reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        fn();
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best;
+}
+
+static double host_read_bandwidth(size_t bytes, int reps, int threads) {
+    const size_t n = bytes / sizeof(uint64_t);
+    std::vector<uint64_t> a(n);
+    std::vector<uint64_t> sums(threads);
+    auto parallel = [&](const std::function<void(size_t, size_t, int)> & fn) {
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t) {
+            ts.emplace_back(fn, n*t/threads, n*(t + 1)/threads, t);
+        }
+        for (auto & t : ts) {
+            t.join();
+        }
+    };
+    parallel([&](size_t i0, size_t i1, int) { for (size_t i = i0; i < i1; ++i) { a[i] = i; } });
+    const double s = best_seconds(reps, [&] {
+        parallel([&](size_t i0, size_t i1, int t) {
+            uint64_t x = 0;
+            for (size_t i = i0; i < i1; ++i) {
+                x += a[i];
+            }
+            sums[t] = x;
+        });
+    });
+    return n*sizeof(uint64_t)/s;
+}
+
+static py::dict measure_bandwidth(const std::string & device, size_t mib, int reps, int threads) {
+    if (mib == 0 || reps < 1 || threads < 1) {
+        throw std::invalid_argument("measure_bandwidth: need mib > 0, reps >= 1, threads >= 1");
+    }
+    const size_t bytes = mib << 20;
+    py::dict out;
+    double host = 0.0, dev_copy = 0.0, h2d = 0.0;
+    {
+        py::gil_scoped_release release;
+        host = host_read_bandwidth(bytes, reps, threads);
+        if (!device.empty()) {
+            ggml_backend_dev_t dev = ggml_backend_dev_by_name(device.c_str());
+            if (!dev) {
+                py::gil_scoped_acquire acquire;
+                throw std::invalid_argument("measure_bandwidth: no device named '" + device + "'");
+            }
+            ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+            ggml_tensor * a = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) bytes);
+            ggml_tensor * b = ggml_new_tensor_1d(ctx, GGML_TYPE_I8, (int64_t) bytes);
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_dev_buffer_type(dev));
+            ggml_backend_buffer_type_t host_buft = ggml_backend_dev_host_buffer_type(dev);
+            ggml_backend_buffer_t pinned = buf && host_buft ? ggml_backend_buft_alloc_buffer(host_buft, bytes) : nullptr;
+            if (buf) {
+                ggml_backend_tensor_copy(a, b); // first touch
+                dev_copy = 2.0*bytes/best_seconds(reps, [&] { ggml_backend_tensor_copy(a, b); });
+                if (pinned) {
+                    void * p = ggml_backend_buffer_get_base(pinned);
+                    memset(p, 1, bytes);
+                    h2d = bytes/best_seconds(reps, [&] { ggml_backend_tensor_set(a, p, 0, bytes); });
+                }
+            }
+            if (pinned) {
+                ggml_backend_buffer_free(pinned);
+            }
+            if (buf) {
+                ggml_backend_buffer_free(buf);
+            }
+            ggml_free(ctx);
+        }
+    }
+    out["host_read"] = host;
+    out["device_copy"] = dev_copy;
+    out["host_to_device"] = h2d;
+    return out;
+}
+
 PYBIND11_MODULE(_core, mod) {
     mod.doc() = "moecache native core: bindings over the patched llama.cpp (use the moecache package, not this module)";
 
@@ -1186,6 +1275,11 @@ PYBIND11_MODULE(_core, mod) {
         }
         return out;
     });
+
+    mod.def("measure_bandwidth", &measure_bandwidth, py::arg("device") = "", py::arg("mib") = 1024,
+            py::arg("reps") = 3, py::arg("threads") = 1,
+            "bytes per second: host_read (threads reading host memory), device_copy (a copy within the device's "
+            "memory, read and write counted) and host_to_device (from pinned host memory); 0 where not measured");
 
     mod.def("buffer_types", []() {
         std::vector<std::string> names;

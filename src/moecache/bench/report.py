@@ -224,6 +224,49 @@ def _swap_mode(server: dict | None) -> str:
     return mode + ("" if warm is None else ", warm" if warm else ", cold")
 
 
+def _median_of(rows: list[dict], key: str) -> float | None:
+    values = sorted(r[key]["median"] for r in rows if isinstance(r.get(key), dict) and r[key].get("median"))
+    return values[len(values) // 2] if values else None
+
+
+def _plan_lines(run: dict) -> list[str]:
+    """The arms `moecache plan` completed: what it planned and its rate bounds against what was measured."""
+    arms = [a for a in run["arms"] if a.get("plan")]
+    if not arms:
+        return []
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    lines = ["", "### Plans", "",
+             "The arms whose flags `moecache plan` completed before their server started (after the ballast, "
+             "from the memory then free): per GPU the budget, the weights on it, the KV cache, the decode "
+             "compute buffer and the slot banks (GiB, the library's own figures from llama-server "
+             "--memory-probe), and the plan's rate bounds from the bandwidths it measured against the medians "
+             "this run measured (prefill against the swap's bound where the plan has a swap).", "",
+             "| arm | flags added | GPU: budget / weights / KV / compute / banks | decode bound | decode measured | "
+             "ratio | prefill bound | prefill measured | ratio |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for a in arms:
+        p = a["plan"]
+        devs = "; ".join(f"{d['name']}: {gib(d['budget'])} / {gib(d['model'])} / {gib(d['context'])} / "
+                         f"{gib(d['compute'])} / {gib(d['banks'])}" for d in p["devices"])
+        rows = [r for r in run["results"] if r.get("arm") == a["name"] and not r.get("error")]
+        dec, pre = _median_of(rows, "decode_tps"), _median_of(rows, "prefill_tps")
+        r = p.get("rates") or {}
+        dec_b = r.get("decode_bound")
+        pre_b = r.get("prefill_swap_bound") or r.get("prefill_bound")
+        ratio = lambda m, b: f"{m / b:.2f}" if m and b else "-"  # noqa: E731
+        num = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
+        lines.append(f"| {_md_cell(a['name'])} | `{_md_cell(' '.join(p.get('added') or []))}` | {_md_cell(devs)} | "
+                     f"{num(dec_b)} | {num(dec)} | {ratio(dec, dec_b)} | {num(pre_b)} | {num(pre)} | {ratio(pre, pre_b)} |")
+    bw = next((a["plan"]["rates"]["bandwidth"] for a in arms if a["plan"].get("rates")), None)
+    if bw:
+        lines += ["", f"Bandwidths the plans measured: host read {bw['host_read'] / 1e9:.1f} GB/s, GPU memory "
+                      f"{bw['device'] / 1e9:.0f} GB/s, host to GPU {bw['host_to_device'] / 1e9:.1f} GB/s "
+                      f"({bw['source']}); hit rate of the decode bound: "
+                      + "; ".join(f"{a['name']} {100 * a['plan']['rates']['hit_rate']:.1f}% "
+                                  f"({a['plan']['rates']['hit_rate_source']})" for a in arms if a["plan"].get("rates"))]
+    return lines
+
+
 def _ballast_lines(run: dict) -> list[str]:
     """The VRAM ballast's table: per arm and device, what it held and what it left free."""
     arms = [a for a in run["arms"] if a.get("ballast")]
@@ -454,6 +497,7 @@ def render_markdown(run: dict) -> str:
             cache = f" {_fmt_rate(c.get('hit_rate'))} | {_fmt_mib(c.get('bytes_vram'))} |"
         lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} |{cache} {_md_cell(note)} |")
     lines += _ballast_lines(run)
+    lines += _plan_lines(run)
     if cached:
         lines += [
             "",

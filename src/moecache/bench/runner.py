@@ -7,6 +7,7 @@ import http.client
 import importlib
 import importlib.metadata
 import json
+import os
 import shlex
 import socket
 import sys
@@ -786,6 +787,23 @@ def shown_command(srv: ServerProcess) -> list[str]:
             *srv.args]
 
 
+def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str]) -> None:
+    """`moecache-server --plan auto` for a bench arm: the plan of its flags (which win where they set a
+    setting) from the memory free now, with rate bounds from bandwidths measured on this machine."""
+    from ..plan import make_plan, measure_bandwidth
+    from ..server import plan_request_from_args, planned_args
+
+    environ = {**os.environ, **env}
+    req = plan_request_from_args(srv.model, srv.args, environ, None)
+    plan = make_plan(req, environ=environ)
+    if not plan.all_in_vram:
+        req.bandwidth = measure_bandwidth("CPU" if plan.host_test_device else plan.devices[0].name)
+    added = planned_args(plan.args(), srv.args, environ)
+    srv.args = [*added, *srv.args]
+    rec["plan"] = {**plan.to_json(), "added": added}
+    rec["server_args"] = list(srv.args)
+
+
 def arm_server_args(sc: Scenario, arm: Arm) -> list[str]:
     return [*sc.server_args, *arm.args]
 
@@ -888,7 +906,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in a["env"].items())
             cmd = " ".join(shlex.quote(x) for x in [exe, "-m", str(model_path), "--host", "127.0.0.1",
                                                      "--port", "FREE_PORT", *a["server_args"]])
-            say(f"  arm {a['name']}{' (baseline)' if a['baseline'] else ''}: {env + ' ' if env else ''}{cmd}")
+            planned = " (+ the flags `moecache plan` adds at start)" if any(x.plan for x in sc.arms if x.name == a["name"]) else ""
+            say(f"  arm {a['name']}{' (baseline)' if a['baseline'] else ''}: {env + ' ' if env else ''}{cmd}{planned}")
         if sc.vram_budget_gib:
             say(f"  VRAM budget {sc.vram_budget_gib:g} GiB: before each arm's server starts, "
                 f"{' '.join(shlex.quote(x) for x in ballast_command(sc.vram_budget_gib))} holds all but "
@@ -934,6 +953,19 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 say("  " + ballast_note(rec["ballast"]))
                 if rec["ballast"].get("warning"):
                     say(f"  WARNING: {rec['ballast']['warning']}")
+            if arm.plan:
+                # after the ballast: the plan reads the memory the arm's server will find free
+                try:
+                    plan_arm(srv, rec, arm_env(sc, arm))
+                except Exception as e:  # noqa: BLE001 - a plan that fails is this arm's failure, said
+                    any_failed = True
+                    rec["error"] = f"plan: {str(e).splitlines()[0]}"
+                    say(f"  FAILED to plan: {e}")
+                    for ps, n, d in cases:
+                        for users in sc.users:
+                            run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
+                    continue
+                say(f"  planned: {' '.join(rec['plan']['added'])}")
             t0 = time.monotonic()
             try:
                 srv.start()

@@ -131,7 +131,7 @@ TOP_KEYS = {
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
-ARM_KEYS = {"name", "args", "env", "baseline", "description"}
+ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan"}
 DEPTH_FILLS = ("prefill", "copy")  # every slot prefills a depth / slot 0 does and the others copy its cache
 
 
@@ -181,6 +181,7 @@ class Arm:
     env: dict[str, str] = field(default_factory=dict)
     baseline: bool = False
     description: str = ""
+    plan: bool = False  # `moecache plan` completes the arm's flags where they leave a setting open (--plan auto)
 
 
 @dataclass
@@ -422,7 +423,8 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
                         args=_str_list(path, f"{ctx}.args", a.get("args", [])),
                         env=_env(path, f"{ctx}.env", a.get("env", {})),
                         baseline=_typed(path, f"{ctx}.baseline", a.get("baseline", False), bool, "true or false"),
-                        description=_typed(path, f"{ctx}.description", a.get("description", ""), str, "a string")))
+                        description=_typed(path, f"{ctx}.description", a.get("description", ""), str, "a string"),
+                        plan=_typed(path, f"{ctx}.plan", a.get("plan", False), bool, "true or false")))
     arm_names = [a.name for a in arms]
     if len(set(arm_names)) != len(arm_names):
         raise ScenarioError(_where(path, f"arm names must be unique, got {arm_names}"))

@@ -1,0 +1,493 @@
+"""`moecache plan`: one VRAM budget per GPU for a model, a context size and a number of users.
+
+The figures are the library's own: llama-server --memory-probe makes the model and the context of the
+planned arguments without reading a weight (llama.cpp's no_alloc load, as its --fit does) and reports
+per device the weights, the KV cache, the compute buffers and what one hot-expert cache slot per cached
+layer costs (patches 0072-0073). The plan adds nothing of its own but the arithmetic of the budget:
+
+    slots = (budget - weights - KV - compute - headroom) / slot bytes        (per GPU, the smallest wins)
+
+the same sum the library does when it sizes the banks at start (it reads the device's free memory; the
+plan reads the budget you give). The prefill-phase swap's ubatch is the largest of 4x, 2x the decode
+ubatch whose compute buffer fits where the banks and the decode buffers were (they are released for the
+prompt). A plan that cannot fit says what to change. `moecache-server --plan auto` applies it at start.
+
+On a machine without a GPU, LLAMA_MOE_CACHE_HOST_DEVICE=1 plans for the library's host test device (its
+budget: LLAMA_MOE_CACHE_HOST_DEVICE_MIB or --gpu-mem), which is how the plan is tested in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from .cache_sim import TraceError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def size_text(b: int) -> str:
+    """Bytes as GiB, or MiB below one GiB (small models and test devices)."""
+    return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / MiB:.1f} MiB"
+HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"
+HOST_DEVICE_MIB_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE_MIB"
+SWAP_FACTORS = (4, 2)  # the prefill ubatch tried, as multiples of the decode ubatch, largest first
+
+
+class PlanError(Exception):
+    """The plan cannot be made, or does not fit; the message says what to change."""
+
+
+@dataclass
+class Request:
+    model: Path
+    ctx: int = 8192                  # tokens of context per user
+    users: int = 1                   # sessions at once (llama-server -np)
+    ubatch: int = 512                # the decode ubatch (-ub)
+    gpu_mem_gib: list[float] | None = None  # budget per GPU; None: what each device has free now
+    prompt_tokens: int | None = None  # typical prompt length: the swap is planned where prompts reach its ubatch
+    swap: bool = True
+    extra_args: list[str] = field(default_factory=list)  # other llama-server flags, probed with the plan's
+    probe_args: list[str] = field(default_factory=list)  # flags probed last but left out of the command (the
+    # command line --plan auto completes)
+    bandwidth: "Bandwidth | None" = None  # for the rate bounds; None: none printed
+    trace: Path | None = None  # a routing trace of the user's traffic: the hit rate at the planned slots
+
+    def check(self) -> None:
+        for name in ("ctx", "users", "ubatch"):
+            if int(getattr(self, name)) < 1:
+                raise PlanError(f"--{name} must be >= 1 (got {getattr(self, name)})")
+        if self.gpu_mem_gib is not None and any(g <= 0 for g in self.gpu_mem_gib):
+            raise PlanError(f"--gpu-mem must be > 0 GiB per GPU (got {self.gpu_mem_gib})")
+        if not Path(self.model).is_file():
+            raise PlanError(f"model file not found: {self.model}")
+
+
+def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | None = None,
+                slots: int | None = None, prefill_ubatch: int | None = None) -> list[str]:
+    """The llama-server arguments of a plan (without -m): every layer on the GPU, the routed experts in
+    host memory (unrepacked, as the cache needs), one KV stream of --ctx tokens per user."""
+    ub = ubatch or req.ubatch
+    batch = max(2048, ub, prefill_ubatch or 0)
+    args = ["-ngl", "99", "-c", str(req.ctx * req.users), "-np", str(req.users), "-ub", str(ub), "-b", str(batch)]
+    if experts_on_host:
+        # unrepacked, as the cache needs; read into the GPU's pinned host memory (-lm none): the prompts'
+        # ubatches stream them over PCIe and the cache uploads them, both at the pinned rate
+        args += ["--cpu-moe", "--no-repack", "-lm", "none"]
+    if slots:
+        args += ["--moe-cache-slots", str(slots)]
+    if prefill_ubatch:
+        args += ["--prefill-ubatch", str(prefill_ubatch)]
+    return args + list(req.extra_args)
+
+
+def probe(model: Path, args: Sequence[str], env: Mapping[str, str] | None = None, binary: Path | None = None,
+          routing_readback: bool = False) -> dict:
+    """What llama-server with these arguments would allocate, from its --memory-probe. routing_readback:
+    with the read-back of the routed experts that a prompt's warm restore (or a routing trace) adds to the
+    graphs, through a routing trace into a file of the probe's own."""
+    if binary is None:
+        from .paths import binary as find_binary
+
+        binary = find_binary("llama-server")
+    with tempfile.TemporaryDirectory(prefix="moecache-plan-") as d:
+        out = Path(d) / "probe.json"
+        trace = ["--moe-routing-trace", str(Path(d) / "routing.jsonl")] if routing_readback else []
+        cmd = [str(binary), "-m", str(model), *args, *trace, "--memory-probe", str(out)]
+        r = subprocess.run(cmd, env=dict(env) if env is not None else None, capture_output=True, text=True)
+        if r.returncode != 0 or not out.is_file():
+            tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
+            raise PlanError(f"llama-server could not make the model and context of {' '.join(args)} "
+                            f"(exit status {r.returncode}). It said:\n{tail}")
+        return json.loads(out.read_text())
+
+
+@dataclass
+class Device:
+    """One GPU of the plan (or the host test device), its budget and the probe's figures for it."""
+    name: str
+    description: str
+    budget: int        # bytes the plan may use
+    model: int         # weights on it
+    context: int       # KV cache
+    compute: int       # compute buffers at the decode ubatch
+    slot: int          # one cache slot of every cached layer on it
+    n_moe_layers: int
+    headroom: int
+    counts_model: bool = True  # the host test device: the weights are host memory the banks do not share
+    prefill_compute: int | None = None  # compute buffers at the swap's ubatch
+
+    @property
+    def fixed(self) -> int:
+        return (self.model if self.counts_model else 0) + self.context + self.compute + self.headroom
+
+    def slots_fit(self) -> int:
+        if self.slot <= 0:
+            return 0
+        return max(0, (self.budget - self.fixed) // self.slot)
+
+    def prefill_fits(self, compute: int) -> bool:
+        return (self.model if self.counts_model else 0) + self.context + compute + self.headroom <= self.budget
+
+
+@dataclass
+class Bandwidth:
+    """Bytes per second: host memory read by the CPU threads, a GPU's own memory, pinned host to GPU."""
+    host_read: float
+    device: float
+    host_to_device: float
+    source: str = "given"
+
+    def usable(self) -> bool:
+        return min(self.host_read, self.device, self.host_to_device) > 0
+
+    def text(self) -> str:
+        return (f"host read {self.host_read / 1e9:.1f} GB/s, GPU memory {self.device / 1e9:.0f} GB/s, "
+                f"host to GPU {self.host_to_device / 1e9:.1f} GB/s ({self.source})")
+
+
+def measure_bandwidth(device: str, mib: int = 1024, reps: int = 3, threads: int | None = None) -> Bandwidth:
+    """The bandwidths of this machine (_core.measure_bandwidth: a parallel host read, a copy within the
+    device, a copy from pinned host memory to it)."""
+    from .api import _core, physical_cores
+
+    threads = threads or physical_cores()
+    m = _core().measure_bandwidth(device, mib, reps, threads)
+    return Bandwidth(m["host_read"], m["device_copy"], m["host_to_device"],
+                     f"measured: {mib} MiB, best of {reps}, {threads} threads, {device or 'no device'}")
+
+
+def parse_bandwidth(text: str) -> Bandwidth:
+    """host=GB/s,device=GB/s,h2d=GB/s"""
+    values = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        key = key.strip()
+        if key not in ("host", "device", "h2d") or not value:
+            raise ValueError(f"expected host=GB/s,device=GB/s,h2d=GB/s (got {text!r})")
+        values[key] = float(value) * 1e9
+    missing = {"host", "device", "h2d"} - set(values)
+    if missing:
+        raise ValueError(f"--bandwidth needs host, device and h2d (missing: {', '.join(sorted(missing))})")
+    return Bandwidth(values["host"], values["device"], values["h2d"])
+
+
+@dataclass
+class Rates:
+    """Bounds from the bandwidths: decode reads the dense weights and the hits from VRAM and the misses from
+    host memory, one after the other (a layer's experts wait for its attention); a prompt ubatch streams
+    every expert in host memory to the GPU once (the stock path's op offload). Compute, latency and the
+    per-layer round trips are not in them: measured rates sit below (see the README's numbers)."""
+    hit_rate: float
+    hit_source: str
+    decode: float
+    prefill: float
+    prefill_swap: float | None
+
+
+def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
+    if not bw.usable() or plan.all_in_vram:
+        return None
+    expert_token = plan.n_expert_used * sum(d.slot for d in plan.devices)  # one expert of every cached layer
+    dense = sum(d.model for d in plan.devices if d.counts_model)
+    h, source = plan.hit_rate()
+    t_decode = dense / bw.device + h * expert_token / bw.device + (1 - h) * expert_token / bw.host_read
+    t_ubatch = plan.host_model / bw.host_to_device
+    return Rates(h, source, 1.0 / t_decode, plan.request.ubatch / t_ubatch,
+                 plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
+
+
+@dataclass
+class Plan:
+    request: Request
+    devices: list[Device]
+    host_model: int            # weights in host memory (the routed experts)
+    n_expert: int
+    n_expert_used: int
+    n_layer: int
+    slots: int                 # per cached layer (0: no cache)
+    all_in_vram: bool          # the whole model fits: no experts in host memory, no cache
+    prefill_ubatch: int | None
+    notes: list[str]
+    host_test_device: bool = False
+
+    def hit_rate(self) -> tuple[float, str]:
+        """The share of routed experts the slots hold: replayed from the user's trace, else uniform routing
+        (slots / experts, a floor: real routing is skewed)."""
+        if self.slots <= 0:
+            return 0.0, "no cache"
+        if self.request.trace is not None:
+            from .cache_sim import load_trace, simulate
+
+            r = simulate(load_trace(self.request.trace), self.slots)
+            return float(r["hit_rate"]), f"replayed {self.request.trace}"
+        return min(1.0, self.slots / max(1, self.n_expert)), "uniform routing (a floor)"
+
+    def rates(self) -> Rates | None:
+        return rate_bounds(self, self.request.bandwidth) if self.request.bandwidth else None
+
+    def args(self) -> list[str]:
+        if self.all_in_vram:
+            return server_args(self.request, experts_on_host=False)
+        return server_args(self.request, slots=self.slots or None, prefill_ubatch=self.prefill_ubatch)
+
+    def command(self) -> str:
+        return " ".join(["moecache-server", "-m", str(self.request.model), *self.args()])
+
+    def to_json(self) -> dict:
+        return {
+            "model": str(self.request.model), "ctx": self.request.ctx, "users": self.request.users,
+            "ubatch": self.request.ubatch, "slots": self.slots, "all_in_vram": self.all_in_vram,
+            "prefill_ubatch": self.prefill_ubatch, "n_expert": self.n_expert, "n_expert_used": self.n_expert_used,
+            "host_model_bytes": self.host_model, "host_test_device": self.host_test_device,
+            "devices": [{
+                "name": d.name, "description": d.description, "budget": d.budget, "model": d.model,
+                "context": d.context, "compute": d.compute, "prefill_compute": d.prefill_compute,
+                "slot": d.slot, "banks": d.slot * self.slots, "headroom": d.headroom,
+                "counts_model": d.counts_model, "n_moe_layers": d.n_moe_layers,
+                "left": d.budget - d.fixed - d.slot * self.slots,
+            } for d in self.devices],
+            "args": self.args(), "command": self.command(), "notes": self.notes,
+            "rates": self._rates_json(),
+        }
+
+    def _rates_json(self) -> dict | None:
+        r = self.rates()
+        if r is None:
+            return None
+        bw = self.request.bandwidth
+        return {"decode_bound": r.decode, "prefill_bound": r.prefill, "prefill_swap_bound": r.prefill_swap,
+                "hit_rate": r.hit_rate, "hit_rate_source": r.hit_source,
+                "bandwidth": {"host_read": bw.host_read, "device": bw.device, "host_to_device": bw.host_to_device,
+                              "source": bw.source}}
+
+    def render(self) -> str:
+        unit, scale = ("GiB", GiB) if max(d.budget for d in self.devices) >= 4 * GiB else ("MiB", MiB)
+        g = lambda b: f"{b / scale:.2f}"  # noqa: E731
+        lines = [f"plan for {self.request.model}: {self.request.users} user(s) x {self.request.ctx} tokens, "
+                 f"-ub {self.request.ubatch}", ""]
+        head = f"{unit:<26}" + "".join(f"{d.name[:14]:>16}" for d in self.devices)
+        lines.append(head)
+        rows = [("budget", [d.budget for d in self.devices])]
+        rows.append(("weights (no routed experts)" if not self.all_in_vram else "weights",
+                     [d.model if d.counts_model else 0 for d in self.devices]))
+        rows += [("KV cache", [d.context for d in self.devices]),
+                 (f"compute (-ub {self.request.ubatch})", [d.compute for d in self.devices])]
+        if not self.all_in_vram:
+            rows.append((f"cache: {self.slots} slots x layers", [d.slot * self.slots for d in self.devices]))
+        rows += [("headroom", [d.headroom for d in self.devices]),
+                 ("left", [d.budget - d.fixed - d.slot * self.slots for d in self.devices])]
+        for label, values in rows:
+            lines.append(f"{label:<26}" + "".join(f"{g(v):>16}" for v in values))
+        if self.prefill_ubatch:
+            lines.append(f"{'prefill (-ub ' + str(self.prefill_ubatch) + ')':<26}" +
+                         "".join(f"{g(d.prefill_compute or 0):>16}" for d in self.devices) +
+                         "   compute while a prompt runs, in place of the banks and the decode buffers")
+        lines.append("")
+        if self.all_in_vram:
+            lines.append("The whole model fits: every expert in VRAM, no hot-expert cache needed.")
+        else:
+            lines.append(f"host memory: {size_text(self.host_model)} of weights, the routed experts among them ({self.n_expert} per layer, "
+                         f"{self.n_expert_used} used per token)")
+            if self.slots:
+                lines.append(f"hot-expert cache: {self.slots} of {self.n_expert} experts per layer in VRAM "
+                             f"({100.0 * self.slots / max(1, self.n_expert):.0f}%)")
+        r = self.rates()
+        if r is not None:
+            lines += ["", f"rate bounds from {self.request.bandwidth.text()}:",
+                      f"  decode  <= {r.decode:7.1f} tokens/s at {100 * r.hit_rate:.1f}% hits ({r.hit_source})",
+                      f"  prefill <= {r.prefill:7.1f} tokens/s at -ub {self.request.ubatch}" +
+                      (f", <= {r.prefill_swap:.1f} with the swap's -ub {self.prefill_ubatch}" if r.prefill_swap else ""),
+                      "  (bandwidth alone: compute and the per-layer round trips come on top)"]
+        lines += [f"note: {n}" for n in self.notes]
+        lines += ["", "command:", "  " + self.command()]
+        return "\n".join(lines)
+
+
+def _gpu_rows(p: dict, environ: Mapping[str, str]) -> tuple[list[dict], bool]:
+    gpus = [d for d in p.get("devices", []) if d.get("type") == "gpu"]
+    if gpus:
+        return gpus, False
+    if environ.get(HOST_DEVICE_ENV, "").strip() not in ("", "0"):
+        return [{**p["host"], "name": "host test device", "description": HOST_DEVICE_ENV, "total": 0, "free": 0}], True
+    raise PlanError("no GPU device: this build or machine has none, and the plan sizes GPU memory. Run "
+                    "`moecache plan` on the machine that runs the server, with a CUDA build "
+                    "(CMAKE_ARGS=\"-DGGML_CUDA=on\" pip install moecache).")
+
+
+def _budgets(req: Request, rows: list[dict], host_test: bool, environ: Mapping[str, str]) -> list[int]:
+    if req.gpu_mem_gib is not None:
+        mem = list(req.gpu_mem_gib)
+        if len(mem) == 1:
+            mem *= len(rows)
+        if len(mem) != len(rows):
+            raise PlanError(f"--gpu-mem gives {len(mem)} budgets for {len(rows)} GPU(s): give one per GPU "
+                            f"({', '.join(r['name'] for r in rows)}) or one for all")
+        return [int(m * GiB) for m in mem]
+    if host_test:
+        mib = environ.get(HOST_DEVICE_MIB_ENV, "").strip()
+        if not mib:
+            raise PlanError(f"the host test device has no size: give --gpu-mem or set {HOST_DEVICE_MIB_ENV}")
+        return [int(float(mib) * MiB)]
+    return [int(r["free"]) for r in rows]  # nothing is loaded yet: what the server will find free
+
+
+def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Path | None = None) -> Plan:
+    environ = os.environ if environ is None else environ
+    req.check()
+
+    def probe_with(args: list[str], last: Sequence[str] = (), routing_readback: bool = False) -> dict:
+        return probe(req.model, args + list(req.probe_args) + list(last), env, binary, routing_readback)
+    notes: list[str] = []
+    env = dict(environ)
+
+    # 1. the whole model on the GPUs: no cache needed where it fits
+    if environ.get(HOST_DEVICE_ENV, "").strip() in ("", "0"):
+        whole = probe_with(server_args(req, experts_on_host=False))
+        rows, host_test = _gpu_rows(whole, environ)
+        budgets = _budgets(req, rows, host_test, environ)
+        headroom = int(whole.get("moe_cache_headroom_mib", 512)) * MiB
+        if all(int(r["model"]) + int(r["context"]) + int(r["compute"]) + headroom <= b for r, b in zip(rows, budgets)):
+            devices = [Device(r["name"], r.get("description", ""), b, int(r["model"]), int(r["context"]),
+                              int(r["compute"]), 0, 0, headroom) for r, b in zip(rows, budgets)]
+            return Plan(req, devices, int(whole["host"]["model"]), int(whole["n_expert"]), int(whole.get("n_expert_used", 0)),
+                        int(whole["n_layer"]), 0, True, None, notes)
+
+    # 2. the routed experts in host memory, the cache's slots in what is left
+    p = probe_with(server_args(req, slots=1))
+    if int(p["n_expert"]) == 0:
+        raise PlanError(f"{req.model} has no routed experts: nothing for the hot-expert cache to hold. Serve it "
+                        "with -ngl 99 if it fits, or plan with llama.cpp's --fit.")
+    rows, host_test = _gpu_rows(p, environ)
+    budgets = _budgets(req, rows, host_test, environ)
+    headroom = int(p.get("moe_cache_headroom_mib", 512)) * MiB
+    devices = [Device(r["name"], r.get("description", ""), b, int(r["model"]), int(r["context"]), int(r["compute"]),
+                      int(r["moe_slot"]), int(r["n_moe_layers"]), headroom, counts_model=not host_test)
+               for r, b in zip(rows, budgets)]
+    over = [d for d in devices if d.fixed > d.budget]
+    if over:
+        d = over[0]
+        kv_per_1k = d.context / max(1, req.ctx * req.users) * 1000
+        raise PlanError(
+            f"{d.name}: {'the weights without the routed experts (' + size_text(d.model) + '), ' if d.counts_model else ''}"
+            f"the KV cache ({size_text(d.context)} for {req.users} x {req.ctx} tokens), the compute buffers "
+            f"({size_text(d.compute)} at -ub {req.ubatch}) and the headroom kept free ({d.headroom // MiB} MiB) need "
+            f"{size_text(d.fixed)}, over the {size_text(d.budget)} budget. Fix: lower --ctx or --users (the KV cache "
+            f"takes {size_text(int(kv_per_1k))} per 1000 tokens), lower --ubatch, lower the headroom "
+            f"(--server-arg=--moe-cache-headroom=MiB; with --fit, --server-arg=-fitt=MiB too) or plan for a larger "
+            f"GPU (--gpu-mem).")
+    cached = [d for d in devices if d.slot > 0]
+    n_expert = int(p["n_expert"])
+    slots = min((d.slots_fit() for d in cached), default=0)
+    if not cached:
+        notes.append("no layer can be cached on these devices (see llama-server's log for the reason): "
+                     "every routed expert runs on the CPU")
+    elif slots == 0:
+        d = min(cached, key=lambda x: x.slots_fit())
+        notes.append(f"no room for one cache slot on {d.name} ({d.slot / MiB:.1f} MiB per slot, "
+                     f"{(d.budget - d.fixed) / MiB:.1f} MiB left): every routed expert runs on the CPU. "
+                     "Fix: lower --ctx, --users or --ubatch to make room.")
+    if slots > n_expert:
+        slots = n_expert
+        notes.append(f"every expert fits: {n_expert} slots per layer hold them all")
+
+    # 3. the prefill-phase swap's ubatch: its compute buffer in place of the banks and the decode buffers
+    prefill_ubatch = None
+    if req.swap and slots > 0:
+        for f in SWAP_FACTORS:
+            ub = req.ubatch * f
+            if req.prompt_tokens is not None and req.prompt_tokens < ub:
+                continue
+            # over a -ub of the command line; a swapped prompt's graphs read its routing back for the warm restore
+            pp = probe_with(server_args(req, ubatch=ub), last=["-ub", str(ub)], routing_readback=True)
+            if int(pp["n_ubatch"]) < ub:
+                continue  # the batch (-b) caps it
+            prow, _ = _gpu_rows(pp, environ)
+            if all(d.prefill_fits(int(r["compute"])) for d, r in zip(devices, prow)):
+                for d, r in zip(devices, prow):
+                    d.prefill_compute = int(r["compute"])
+                prefill_ubatch = ub
+                break
+        if prefill_ubatch is None:
+            why = (f"prompts of {req.prompt_tokens} tokens are shorter than {2 * req.ubatch}" if req.prompt_tokens
+                   is not None and req.prompt_tokens < 2 * req.ubatch else
+                   f"the compute buffers of -ub {2 * req.ubatch} do not fit beside the weights and the KV cache")
+            notes.append(f"no prefill-phase swap: {why}")
+    return Plan(req, devices, int(p["host"]["model"]), n_expert, int(p.get("n_expert_used", 0)),
+                int(p["n_layer"]), slots, False, prefill_ubatch, notes, host_test_device=host_test)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _gib_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB per GPU, e.g. 24 or 24,24 (got {text!r})") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one budget in GiB")
+    return values
+
+
+def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Plan the VRAM of each GPU for a model, a context and its users: the weights without the "
+                    "routed experts, the KV cache, the compute buffers, the prefill-phase swap's ubatch and the "
+                    "hot-expert cache's slots in what is left, from the figures the library itself allocates "
+                    "(llama-server --memory-probe). Prints the plan and the moecache-server command.")
+    p.add_argument("model", type=Path, help="the GGUF model")
+    p.add_argument("--gpu-mem", type=_gib_list, default=None, metavar="GIB[,GIB...]",
+                   help="the budget of each GPU in GiB (one for all, or one per GPU; default: what each has free now)")
+    p.add_argument("--ctx", type=int, default=8192, help="tokens of context per user (default: 8192)")
+    p.add_argument("--users", type=int, default=1, help="sessions served at once, llama-server's -np (default: 1)")
+    p.add_argument("--ubatch", type=int, default=512, help="the decode ubatch, llama-server's -ub (default: 512)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="a typical prompt's length: the swap's ubatch is planned no larger than it")
+    p.add_argument("--no-swap", dest="swap", action="store_false", help="plan without the prefill-phase swap")
+    p.add_argument("--bandwidth", default="auto", metavar="auto|none|host=GB/s,device=GB/s,h2d=GB/s",
+                   help="the bandwidths of the rate bounds: measured on this machine (auto, a few seconds), given, "
+                        "or none (no rates)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="a routing trace of your traffic (--moe-routing-trace): the hit rate at the planned slots "
+                        "is replayed from it (default: uniform routing, a floor)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="another llama-server argument the plan must hold (repeat; e.g. --server-arg=-fa "
+                        "--server-arg=on): probed together with the plan's")
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
+    a = build_parser(prog).parse_args(argv)
+    req = Request(a.model, ctx=a.ctx, users=a.users, ubatch=a.ubatch, gpu_mem_gib=a.gpu_mem,
+                  prompt_tokens=a.prompt_tokens, swap=a.swap, extra_args=a.server_arg, trace=a.trace)
+    try:
+        plan = make_plan(req)
+        if a.bandwidth == "auto":
+            if not plan.all_in_vram:
+                device = "CPU" if plan.host_test_device else plan.devices[0].name
+                print(f"{prog}: measuring bandwidths ({device or 'host only'}) ...", file=sys.stderr, flush=True)
+                req.bandwidth = measure_bandwidth(device)
+        elif a.bandwidth != "none":
+            req.bandwidth = parse_bandwidth(a.bandwidth)
+        plan.rates()  # a trace that cannot be read fails here, not in the middle of the table
+    except (PlanError, FileNotFoundError, ValueError, TraceError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(plan.to_json(), indent=1) if a.json else plan.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""`moecache plan` against the real llama-server on the CPU, with the library's host test device as the
+GPU (LLAMA_MOE_CACHE_HOST_DEVICE=1, its size LLAMA_MOE_CACHE_HOST_DEVICE_MIB): the plan's figures come
+from llama-server --memory-probe (a no_alloc model and context) and must be what the server then
+allocates: its KV buffer, its compute buffer and its slot banks, and the slot count, which must survive
+a prompt that swaps (patch 0072: the restore used to reserve larger decode buffers and lose a slot).
+`moecache-server --plan auto` applies the plan; a budget that cannot hold the context says what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from moe_cache_checks import N_EXPERT, cache_stats, complete
+from moecache.plan import HOST_DEVICE_ENV, HOST_DEVICE_MIB_ENV, MiB, PlanError, Request, make_plan, probe
+from moecache.server import ServerProcess
+
+HOST = {HOST_DEVICE_ENV: "1"}
+CTX, USERS, UB = 256, 2, 64
+SLOTS = 9  # the budget holds the context and 9.5 slots
+
+
+def _request(model, **kw):
+    return Request(model, ctx=CTX, users=USERS, ubatch=UB, **kw)
+
+
+@pytest.fixture(scope="module")
+def budget(tiny_model, llama_server_bin):
+    """A host test device that holds the planned context, the headroom and 9.5 slots (MiB)."""
+    env = {**os.environ, **HOST}
+    big = make_plan(_request(tiny_model, gpu_mem_gib=[4.0], swap=False), environ=env)
+    d = big.devices[0]
+    assert d.slot > 0 and d.n_moe_layers == 4 and big.slots == N_EXPERT
+    return (d.fixed + (SLOTS + 0.5) * d.slot) / MiB
+
+
+def _mib(pattern: str, log: str) -> list[float]:
+    return [float(m) for m in re.findall(pattern + r" =\s+([0-9.]+) MiB", log)]
+
+
+def test_the_plan_is_what_the_server_allocates(tiny_model, budget):
+    env = {**os.environ, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    plan = make_plan(_request(tiny_model), environ=env)
+    d = plan.devices[0]
+    assert plan.host_test_device and plan.slots == SLOTS and plan.prefill_ubatch == 4 * UB, plan.render()
+    args = ["-t", "2", *plan.args(), "--prefill-min-tokens", "128", "-lv", "4"]  # -lv 4: the buffer sizes
+    with ServerProcess(tiny_model, args=args, env={**HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}, timeout=120) as srv:
+        before = cache_stats(srv)
+        out = complete(srv, "hello world " * 90, n_predict=4)  # 181 tokens: a prompt that swaps
+        after = cache_stats(srv)
+        log = srv.log_text()
+    assert out["timings"]["prompt_n"] >= 128
+    assert "prefill swap" in log
+    # the slots the plan made room for, before and after a swapped prompt
+    assert before["n_slots"] == plan.slots and after["n_slots"] == plan.slots, (before["n_slots"], after["n_slots"])
+    assert before["total"]["bytes_vram"] == plan.slots * d.slot
+    # the server's own report of its buffers (llama.cpp's load log, 2 decimals of MiB)
+    assert _mib("CPU KV buffer size", log) == [round(d.context / MiB, 2)], [l for l in log.splitlines() if "buffer" in l]
+    compute = _mib("CPU compute buffer size", log)
+    assert compute[0] == round(d.compute / MiB, 2), compute  # the stock graphs the banks are sized after
+    assert round(d.prefill_compute / MiB, 2) in compute  # the swap's, at the planned ubatch
+    assert _mib("CPU slot banks", log) == [round(plan.slots * d.slot / MiB, 2)]
+
+
+def test_the_json_and_the_command_line_agree(tiny_model, budget, subprocess_env):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    r = subprocess.run([sys.executable, "-m", "moecache.plan", str(tiny_model), "--ctx", str(CTX), "--users",
+                        str(USERS), "--ubatch", str(UB)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"--moe-cache-slots {SLOTS}" in r.stdout and "--prefill-ubatch 256" in r.stdout
+    assert f"-c {CTX * USERS} -np {USERS} -ub {UB}" in r.stdout and "KV cache" in r.stdout
+
+
+def test_a_budget_below_the_context_says_what_to_change(tiny_model, subprocess_env):
+    env = {**subprocess_env, **HOST}
+    r = subprocess.run([sys.executable, "-m", "moecache.plan", str(tiny_model), "--ctx", str(CTX), "--users",
+                        str(USERS), "--gpu-mem", "0.5"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "over the 512.0 MiB budget" in r.stderr and "Fix: lower --ctx or --users" in r.stderr
+
+
+def test_a_probe_that_fails_names_the_problem(tiny_model, llama_server_bin, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(PlanError, match="could not make the model and context"):
+        probe(bad, ["-ngl", "99"])
+    with pytest.raises(PlanError, match="could not make the model and context"):
+        probe(tiny_model, ["--no-such-flag"])
+
+
+def test_the_probe_loads_nothing_and_opens_no_port(tiny_model, llama_server_bin):
+    """--memory-probe answers without binding (port 1 is not ours to bind) and without reading weights."""
+    p = probe(tiny_model, ["-ngl", "99", "--port", "1"])
+    assert p["n_expert"] == N_EXPERT and p["n_expert_used"] == 4 and p["host"]["model"] > 0
+
+
+def test_the_probe_fails_where_the_server_would(tiny_model, llama_server_bin, tmp_path):
+    """A routing trace counts (its read-back enlarges the graphs), so the probe opens it as the server
+    does: one that cannot be written fails the probe, naming the file."""
+    with pytest.raises(PlanError, match="cannot open the routing trace file"):
+        probe(tiny_model, ["-ngl", "99", "--moe-routing-trace", str(tmp_path / "missing" / "trace.jsonl")])
+    plain = probe(tiny_model, ["-ngl", "99", "--cpu-moe", "--no-repack", "-ub", "256"])
+    traced = probe(tiny_model, ["-ngl", "99", "--cpu-moe", "--no-repack", "-ub", "256"], routing_readback=True)
+    assert traced["host"]["compute"] > plain["host"]["compute"]
+
+
+def test_moecache_server_plan_auto(tiny_model, budget, subprocess_env, free_port):
+    port = free_port()
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    proc = subprocess.Popen([sys.executable, "-m", "moecache.server", "--plan", "auto", "-m", str(tiny_model),
+                             "-c", str(CTX * USERS), "-np", str(USERS), "-ub", str(UB), "-t", "2",
+                             "--host", "127.0.0.1", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        from moecache.server import http_request
+        import time
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None
+            try:
+                if http_request(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        status, st = http_request(f"http://127.0.0.1:{port}/moe-cache")
+        assert status == 200 and st["n_slots"] == SLOTS, st
+    finally:
+        proc.terminate()
+        text = proc.communicate(timeout=30)[0]
+    # the user's -c, -np and -ub stay theirs; the plan adds the rest
+    assert f"plan: -ngl 99 -b 2048 --cpu-moe --no-repack -lm none --moe-cache-slots {SLOTS} --prefill-ubatch 256" in text, text
+
+
+def test_plan_auto_that_cannot_fit_stops_before_starting(tiny_model, subprocess_env):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: "100"}
+    r = subprocess.run([sys.executable, "-m", "moecache.server", "--plan", "auto", "-m", str(tiny_model)],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--plan auto:" in r.stderr and "Fix:" in r.stderr
+
+
+BENCH = """
+name = "planned"
+model = {{ synth = "tiny" }}
+max_tokens = 8
+repetitions = 1
+warmup = 0
+prompts_dir = "{prompts}"
+server_args = ["-t", "2", "-c", "512", "-np", "2", "-ub", "64"]
+env = {{ LLAMA_MOE_CACHE_HOST_DEVICE = "1", LLAMA_MOE_CACHE_HOST_DEVICE_MIB = "{budget:.6f}" }}
+
+[[prompts]]
+name = "prose"
+files = ["prose/python-language-reference.txt"]
+lengths = [32]
+
+[[arms]]
+name = "stock"
+baseline = true
+args = ["-ngl", "99", "--cpu-moe"]
+
+[[arms]]
+name = "planned"
+plan = true
+args = []
+"""
+
+
+def test_a_bench_arm_the_plan_completes(tmp_path, tiny_model, budget, subprocess_env):
+    """`plan = true` in a scenario's arm: `moecache plan` completes its flags before its server starts; the
+    result records the plan, and the report lists it beside the measured rates."""
+    import json
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    scenario = tmp_path / "planned.toml"
+    scenario.write_text(BENCH.format(prompts=(repo / "benchmarks" / "prompts").as_posix(), budget=budget))
+    out = tmp_path / "results"
+    r = subprocess.run([sys.executable, "-m", "moecache", "bench", str(scenario), "--out", str(out)],
+                       env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    data = json.loads(next(out.glob("*-planned.json")).read_text())
+    arm = {a["name"]: a for a in data["arms"]}["planned"]
+    assert arm["plan"]["slots"] == SLOTS and "--moe-cache-slots" in arm["plan"]["added"]
+    assert arm["server_args"][:len(arm["plan"]["added"])] == arm["plan"]["added"]
+    assert arm["moe_cache"]["n_slots"] == SLOTS
+    md = next(out.glob("*-planned.md")).read_text()
+    assert "### Plans" in md and f"--moe-cache-slots {SLOTS}" in md

@@ -1,0 +1,64 @@
+"""`moecache plan` on CUDA: the figures of the plan (llama-server --memory-probe, a no_alloc model and context)
+are what the server then allocates on the GPU: its weights, its KV cache, its compute buffer and its slot
+banks, to the 0.01 MiB of llama.cpp's load log; a budget too small for the whole model plans the experts
+in host memory and the slots in what is left; a budget above it plans everything in VRAM.
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from moe_cache_checks import N_EXPERT, PROMPTS, cache_stats, complete
+from moecache.plan import GiB, MiB, Request, make_plan
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+CTX, USERS, UB = 512, 2, 64
+
+
+def _request(model, gib):
+    return Request(model, ctx=CTX, users=USERS, ubatch=UB, gpu_mem_gib=[gib])
+
+
+def _mib(what: str, log: str) -> list[float]:
+    return [float(m) for m in re.findall(r"CUDA0 " + what + r" =\s+([0-9.]+) MiB", log)]
+
+
+def test_the_plan_is_what_the_server_allocates_on_cuda(tiny_model):
+    big = make_plan(_request(tiny_model, 100.0))
+    assert big.all_in_vram and "--cpu-moe" not in big.args()
+    # the smallest budget above the cached plan's fixed part and 9.5 slots: the experts go to host memory
+    probe_plan = make_plan(_request(tiny_model, (big.devices[0].fixed - 1) / GiB))
+    assert not probe_plan.all_in_vram, probe_plan.render()
+    d0 = probe_plan.devices[0]
+    assert d0.slot > 0 and d0.n_moe_layers == 4
+    plan = make_plan(_request(tiny_model, (d0.fixed + 9.5 * d0.slot) / GiB))
+    d = plan.devices[0]
+    assert plan.slots == 9, plan.render()
+    with ServerProcess(tiny_model, args=["-t", "8", *plan.args(), "-lv", "4"], timeout=180) as srv:
+        st = cache_stats(srv)
+        out = complete(srv, PROMPTS[0])
+        log = srv.log_text()
+    assert out["tokens"]
+    assert st["n_slots"] == plan.slots and st["total"]["bytes_vram"] == plan.slots * d.slot
+    assert _mib("model buffer size", log) == [round(d.model / MiB, 2)]
+    assert _mib("KV buffer size", log) == [round(d.context / MiB, 2)]
+    assert _mib("compute buffer size", log)[0] == round(d.compute / MiB, 2)
+    assert _mib("slot banks", log) == [round(plan.slots * d.slot / MiB, 2)]
+
+
+def test_the_whole_model_plan_on_cuda(tiny_model):
+    plan = make_plan(_request(tiny_model, 100.0))
+    d = plan.devices[0]
+    with ServerProcess(tiny_model, args=["-t", "8", *plan.args(), "-lv", "4"], timeout=180) as srv:
+        st = cache_stats(srv)
+        log = srv.log_text()
+    assert not st["enabled"] and plan.slots == 0
+    assert _mib("model buffer size", log) == [round(d.model / MiB, 2)]
+    assert _mib("KV buffer size", log) == [round(d.context / MiB, 2)]
+    assert N_EXPERT == plan.n_expert

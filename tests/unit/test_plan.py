@@ -1,0 +1,223 @@
+"""`moecache plan`'s budget arithmetic and `moecache-server --plan auto`'s merging, on probe figures made
+up here (the probe itself, llama-server --memory-probe, runs in tests/e2e/test_plan.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moecache import plan as planmod
+from moecache import server
+from moecache.plan import GiB, MiB, PlanError, Request, make_plan
+
+HEADROOM_MIB = 512
+
+
+def gpu(name="CUDA0", model=4 * GiB, context=2 * GiB, compute=1 * GiB, slot=100 * MiB, layers=48, free=24 * GiB):
+    return {"name": name, "description": "test GPU", "type": "gpu", "total": free, "free": free, "model": model,
+            "context": context, "compute": compute, "moe_banks": 0, "moe_slot": slot, "n_moe_layers": layers}
+
+
+def probe_result(devices, n_expert=128, n_ubatch=512, host_model=16 * GiB):
+    return {"devices": devices, "host": {"model": host_model, "context": 0, "compute": 0, "moe_banks": 0,
+                                         "moe_slot": 0, "n_moe_layers": 0},
+            "n_layer": 48, "n_expert": n_expert, "n_expert_used": 8, "n_ctx": 8192, "n_batch": 2048,
+            "n_ubatch": n_ubatch, "n_seq_max": 1, "moe_cache_headroom_mib": HEADROOM_MIB}
+
+
+@pytest.fixture
+def fake_probe(monkeypatch, tmp_path):
+    """probe() answers from `answer(args)`; each call's arguments are kept in `calls`."""
+    calls = []
+    state = {"answer": None}
+
+    def probe(model, args, env=None, binary=None, routing_readback=False):
+        calls.append(list(args))
+        return state["answer"](list(args))
+
+    monkeypatch.setattr(planmod, "probe", probe)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+
+    def use(answer):
+        state["answer"] = answer
+        return model
+
+    use.calls = calls
+    return use
+
+
+def ub_of(args):
+    return int(args[len(args) - 1 - args[::-1].index("-ub") + 1])
+
+
+def answer(whole_fits=False, prefill_compute=None, **kw):
+    """Whole model (no --cpu-moe): 60 GiB of weights unless whole_fits; with --cpu-moe: gpu(**kw), and a
+    compute buffer of prefill_compute[ub] at a larger ubatch."""
+    def f(args):
+        if "--cpu-moe" not in args:
+            return probe_result([gpu(model=(3 if whole_fits else 60) * GiB, slot=0, layers=0)], host_model=0)
+        ub = ub_of(args)
+        d = gpu(**kw)
+        if prefill_compute and ub in prefill_compute:
+            d["compute"] = prefill_compute[ub]
+        return probe_result([d], n_ubatch=ub)
+    return f
+
+
+def test_slots_take_what_the_weights_kv_compute_and_headroom_leave(fake_probe):
+    model = fake_probe(answer())
+    # 24 GiB - (4 + 2 + 1) GiB - 512 MiB = 16.5 GiB = 168.96 slots of 100 MiB -> 168, capped at 128 experts
+    p = make_plan(Request(model, gpu_mem_gib=[24.0], swap=False))
+    assert p.slots == 128 and any("every expert fits" in n for n in p.notes)
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False))
+    assert p.slots == (16 * GiB - 7 * GiB - HEADROOM_MIB * MiB) // (100 * MiB) == 87
+    assert "--moe-cache-slots 87" in p.command() and "--cpu-moe" in p.args() and "--no-repack" in p.args()
+    d = p.to_json()["devices"][0]
+    assert d["banks"] == 87 * 100 * MiB and 0 <= d["left"] < 100 * MiB
+
+
+def test_the_budget_defaults_to_the_free_memory(fake_probe):
+    model = fake_probe(answer(free=12 * GiB))
+    p = make_plan(Request(model, swap=False))
+    assert p.devices[0].budget == 12 * GiB
+    assert p.slots == (12 * GiB - 7 * GiB - HEADROOM_MIB * MiB) // (100 * MiB)
+
+
+def test_the_smallest_gpu_decides_the_slots(fake_probe):
+    model = fake_probe(lambda args: probe_result([gpu("CUDA0", slot=50 * MiB), gpu("CUDA1", slot=150 * MiB)])
+                       if "--cpu-moe" in args else probe_result([gpu("CUDA0", model=40 * GiB), gpu("CUDA1")]))
+    p = make_plan(Request(model, gpu_mem_gib=[10.0, 10.0], swap=False))
+    left = 10 * GiB - 7 * GiB - HEADROOM_MIB * MiB
+    assert p.slots == min(left // (50 * MiB), left // (150 * MiB))
+    with pytest.raises(PlanError, match="gives 3 budgets for 2 GPU"):
+        make_plan(Request(model, gpu_mem_gib=[10.0, 10.0, 10.0], swap=False))
+
+
+def test_a_model_that_fits_needs_no_cache(fake_probe):
+    model = fake_probe(answer(whole_fits=True))
+    p = make_plan(Request(model, gpu_mem_gib=[24.0]))
+    assert p.all_in_vram and p.slots == 0
+    assert "--cpu-moe" not in p.args() and "--moe-cache-slots" not in p.args()
+    assert "The whole model fits" in p.render()
+
+
+def test_an_impossible_budget_says_what_to_change(fake_probe):
+    model = fake_probe(answer(context=20 * GiB))
+    with pytest.raises(PlanError) as e:
+        make_plan(Request(model, ctx=100_000, users=2, gpu_mem_gib=[24.0]))
+    msg = str(e.value)
+    assert "over the 24.00 GiB budget" in msg and "2 x 100000 tokens" in msg and "Fix: lower --ctx or --users" in msg
+
+
+def test_no_room_for_a_slot_is_a_plan_without_the_cache(fake_probe):
+    model = fake_probe(answer())
+    p = make_plan(Request(model, gpu_mem_gib=[7.55]))
+    assert p.slots == 0 and "--moe-cache-slots" not in p.args() and p.prefill_ubatch is None
+    assert any("no room for one cache slot" in n for n in p.notes)
+
+
+def test_the_swap_takes_the_largest_ubatch_whose_buffers_fit(fake_probe):
+    # at -ub 2048 the compute buffer (12 GiB) does not fit in 16 GiB beside 6 GiB; at 1024 (5 GiB) it does
+    model = fake_probe(answer(prefill_compute={2048: 12 * GiB, 1024: 5 * GiB}))
+    p = make_plan(Request(model, gpu_mem_gib=[16.0]))
+    assert p.prefill_ubatch == 1024 and "--prefill-ubatch 1024" in p.command()
+    assert p.devices[0].prefill_compute == 5 * GiB
+    # a prompt shorter than both ubatches: no swap, and the note says why
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], prompt_tokens=600))
+    assert p.prefill_ubatch is None and any("shorter than 1024" in n for n in p.notes)
+
+
+def test_the_swap_is_not_planned_where_the_batch_caps_its_ubatch(fake_probe):
+    model = fake_probe(lambda args: probe_result([gpu()], n_ubatch=min(ub_of(args), 512)) if "--cpu-moe" in args
+                       else probe_result([gpu(model=60 * GiB)]))
+    p = make_plan(Request(model, gpu_mem_gib=[16.0]))
+    assert p.prefill_ubatch is None
+
+
+def test_without_a_gpu_the_plan_says_where_to_run(fake_probe, monkeypatch):
+    monkeypatch.delenv(planmod.HOST_DEVICE_ENV, raising=False)
+    model = fake_probe(lambda args: probe_result([]))
+    with pytest.raises(PlanError, match="no GPU device"):
+        make_plan(Request(model), environ={})
+
+
+def test_the_host_test_device_counts_what_the_library_counts(fake_probe):
+    """On the host test device the weights are host memory the banks never share: the budget holds the
+    KV cache, the compute buffers, the headroom and the banks, as the library sizes them."""
+    host = {"model": 20 * MiB, "context": 1 * MiB, "compute": 2 * MiB, "moe_banks": 0, "moe_slot": 1 * MiB,
+            "n_moe_layers": 4}
+    model = fake_probe(lambda args: {**probe_result([]), "host": host})
+    env = {planmod.HOST_DEVICE_ENV: "1", planmod.HOST_DEVICE_MIB_ENV: str(HEADROOM_MIB + 3 + 5.5)}
+    p = make_plan(Request(model, swap=False), environ=env)
+    assert p.host_test_device and p.slots == 5
+    with pytest.raises(PlanError, match="has no size"):
+        make_plan(Request(model), environ={planmod.HOST_DEVICE_ENV: "1"})
+
+
+def test_bad_requests_are_refused(fake_probe):
+    model = fake_probe(answer())
+    for req, what in ((Request(model, ctx=0), "--ctx"), (Request(model, users=0), "--users"),
+                      (Request(model, gpu_mem_gib=[0.0]), "--gpu-mem"), (Request(model.with_name("no.gguf")), "not found")):
+        with pytest.raises(PlanError, match=what):
+            make_plan(req)
+
+
+def test_the_cli_prints_the_plan_and_fails_clearly(fake_probe, capsys):
+    model = fake_probe(answer())
+    assert planmod.main([str(model), "--gpu-mem", "16", "--no-swap", "--bandwidth", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "--moe-cache-slots 87" in out and "KV cache" in out
+    assert planmod.main([str(model), "--gpu-mem", "4", "--bandwidth", "none"]) == 1
+    assert "Fix:" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        planmod.main([str(model), "--gpu-mem", "lots"])
+    assert planmod.main([str(model), "--gpu-mem", "16", "--bandwidth", "host=50"]) == 1
+    assert "missing: device, h2d" in capsys.readouterr().err
+    assert planmod.main([str(model), "--gpu-mem", "16", "--bandwidth", "host=50,device=3000,h2d=25",
+                         "--trace", str(model.with_name("none.jsonl"))]) == 1
+    assert "routing trace not found" in capsys.readouterr().err
+
+
+def test_the_rate_bounds_follow_the_bandwidths(fake_probe):
+    model = fake_probe(answer())
+    bw = planmod.parse_bandwidth("host=50,device=4000,h2d=25")
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], bandwidth=bw))
+    r = p.rates()
+    # 8 used experts x 100 MiB (one of each of the 48 cached layers) per token; 87 of 128 slots held
+    h = 87 / 128
+    expert = 8 * 100 * MiB
+    want = 1 / (4 * GiB / 4000e9 + h * expert / 4000e9 + (1 - h) * expert / 50e9)
+    assert r.hit_rate == pytest.approx(h) and r.decode == pytest.approx(want)
+    assert r.prefill == pytest.approx(512 / (16 * GiB / 25e9))
+    assert r.prefill_swap == pytest.approx(p.prefill_ubatch / (16 * GiB / 25e9))
+    assert "decode  <=" in p.render() and p.to_json()["rates"]["decode_bound"] == pytest.approx(want)
+    # no bandwidths: no rates
+    assert make_plan(Request(model, gpu_mem_gib=[16.0])).rates() is None
+
+
+# --- moecache-server --plan auto --------------------------------------------------------------------------
+
+
+def test_the_request_comes_from_the_server_command_line(tmp_path):
+    m = tmp_path / "m.gguf"
+    req = server.plan_request_from_args(str(m), ["-m", str(m), "-c", "16384", "-np", "2", "-ub", "256"], {}, None)
+    assert (req.ctx, req.users, req.ubatch, req.gpu_mem_gib) == (8192, 2, 256, None)
+    assert req.probe_args[-2:] == ["-ub", "256"]  # the whole command line is probed
+    req = server.plan_request_from_args(str(m), [], {"LLAMA_ARG_N_PARALLEL": "4"}, "20,22")
+    assert (req.ctx, req.users, req.ubatch, req.gpu_mem_gib) == (8192, 4, 512, [20.0, 22.0])
+    with pytest.raises(PlanError, match="-np"):
+        server.plan_request_from_args(str(m), ["-np", "many"], {}, None)
+
+
+def test_the_users_flags_and_environment_win_over_the_plan():
+    plan = ["-ngl", "99", "-c", "8192", "-np", "1", "-ub", "512", "-b", "2048", "--cpu-moe", "--no-repack",
+            "-lm", "none", "--moe-cache-slots", "40", "--prefill-ubatch", "2048"]
+    got = server.planned_args(plan, ["--n-gpu-layers", "20", "-ot", "exps=CPU", "--ubatch-size=256"],
+                              {"LLAMA_ARG_MOE_HOT_K": "8", "LLAMA_ARG_PREFILL_UBATCH": "", "LLAMA_ARG_LOAD_MODE": "mmap"})
+    assert got == ["-c", "8192", "-np", "1", "-b", "2048", "--no-repack", "--prefill-ubatch", "2048"]
+    assert server.planned_args(plan, [], {}) == plan
+
+
+def test_plan_flags_are_moecache_flags():
+    ours, rest = server.split_args(["--plan", "auto", "--plan-gpu-mem", "24", "-m", "x.gguf"])
+    assert (ours.plan, ours.plan_gpu_mem, rest) == ("auto", "24", ["-m", "x.gguf"])
