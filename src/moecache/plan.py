@@ -166,6 +166,17 @@ def measure_bandwidth(device: str, mib: int = 1024, reps: int = 3, threads: int 
                      f"measured: {mib} MiB, best of {reps}, {threads} threads, {device or 'no device'}")
 
 
+def measure_bandwidth_apart(device: str) -> Bandwidth:
+    """measure_bandwidth in a child process: the CUDA context it makes (about 0.5 GiB) goes with it, instead
+    of staying in this process beside a server that is sized from the memory left."""
+    code = ("import json, sys; from dataclasses import asdict; from moecache.plan import measure_bandwidth; "
+            "print(json.dumps(asdict(measure_bandwidth(sys.argv[1]))))")
+    r = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise PlanError(f"measuring the bandwidths of {device or 'the host'} failed: {r.stderr.strip()[-500:]}")
+    return Bandwidth(**json.loads(r.stdout.strip().splitlines()[-1]))
+
+
 def parse_bandwidth(text: str) -> Bandwidth:
     """host=GB/s,device=GB/s,h2d=GB/s"""
     values = {}

@@ -790,14 +790,14 @@ def shown_command(srv: ServerProcess) -> list[str]:
 def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str]) -> None:
     """`moecache-server --plan auto` for a bench arm: the plan of its flags (which win where they set a
     setting) from the memory free now, with rate bounds from bandwidths measured on this machine."""
-    from ..plan import make_plan, measure_bandwidth
+    from ..plan import make_plan, measure_bandwidth_apart
     from ..server import plan_request_from_args, planned_args
 
     environ = {**os.environ, **env}
     req = plan_request_from_args(srv.model, srv.args, environ, None)
     plan = make_plan(req, environ=environ)
     if not plan.all_in_vram:
-        req.bandwidth = measure_bandwidth("CPU" if plan.host_test_device else plan.devices[0].name)
+        req.bandwidth = measure_bandwidth_apart("CPU" if plan.host_test_device else plan.devices[0].name)
     added = planned_args(plan.args(), srv.args, environ)
     srv.args = [*added, *srv.args]
     rec["plan"] = {**plan.to_json(), "added": added}
