@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -230,6 +229,7 @@ class Plan:
     prefill_ubatch: int | None
     notes: list[str]
     host_test_device: bool = False
+    measured: dict | None = None  # measure_rates(): the planned server's own prefill and decode here
 
     def hit_rate(self) -> tuple[float, str]:
         """The share of routed experts the slots hold: replayed from the user's trace, else uniform routing
@@ -268,7 +268,7 @@ class Plan:
                 "left": d.budget - d.fixed - d.slot * self.slots,
             } for d in self.devices],
             "args": self.args(), "command": self.command(), "notes": self.notes,
-            "rates": self._rates_json(),
+            "rates": self._rates_json(), "measured": self.measured,
         }
 
     def _rates_json(self) -> dict | None:
@@ -319,6 +319,13 @@ class Plan:
                       f"  prefill <= {r.prefill:7.1f} tokens/s at -ub {self.request.ubatch}" +
                       (f", <= {r.prefill_swap:.1f} with the swap's -ub {self.prefill_ubatch}" if r.prefill_swap else ""),
                       "  (bandwidth alone: compute and the per-layer round trips come on top)"]
+        m = self.measured
+        if m:
+            hits = f", {100 * m['hit_rate']:.1f}% hits" if m.get("hit_rate") is not None else ""
+            lines += ["", f"measured here with the planned command (real text, medians of {m['reps']}):",
+                      f"  prefill {m['prefill_tps']:9.1f} tokens/s ({m['prompt_tokens']} tokens"
+                      f"{', swapped to -ub ' + str(m['prefill_ubatch']) if m.get('prefill_ubatch') else ''})",
+                      f"  decode  {m['decode_tps']:9.1f} tokens/s ({m['decode_tokens']} tokens after it{hits})"]
         lines += [f"note: {n}" for n in self.notes]
         lines += ["", "command:", "  " + self.command()]
         return "\n".join(lines)
@@ -437,6 +444,75 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
                 int(p["n_layer"]), slots, False, prefill_ubatch, notes, host_test_device=host_test)
 
 
+def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: int = 64, reps: int = 2,
+                  env: Mapping[str, str] | None = None, timeout: float = 900.0) -> dict:
+    """Start the planned server and time it: a warm-up, then `reps` requests of `prompt_tokens` tokens of real
+    text (a new slice each, no prompt cache) and `decode_tokens` decoded tokens; the medians of the server's
+    own timings, with the cache's hit rate over them. What the plan's command gives on this machine."""
+    import statistics
+
+    from .server import ServerError, ServerProcess
+    from .synth import default_texts
+
+    n_ctx = plan.request.ctx
+    n = prompt_tokens or plan.request.prompt_tokens or min(4096, n_ctx - decode_tokens - 16)
+    if n < 1 or n + decode_tokens > n_ctx:
+        raise PlanError(f"--measure: a prompt of {n} tokens and {decode_tokens} decoded ones do not fit in "
+                        f"{n_ctx} tokens of context per user: lower --prompt-tokens or raise --ctx")
+    text = "\n\n".join(t for _, t in default_texts())
+    srv = ServerProcess(plan.request.model, args=[*plan.args(), "--cache-ram", "0"], env=dict(env or {}),
+                        timeout=timeout)
+    try:
+        srv.start()
+    except ServerError as e:
+        raise PlanError(f"--measure: the planned server did not start: {e}") from None
+    try:
+        status, tok = srv.post("/tokenize", {"content": text})
+        if status != 200:
+            raise PlanError(f"--measure: /tokenize answered {status}: {tok}")
+        tokens = list(tok["tokens"])
+        while len(tokens) < 2 * n + reps * 97:
+            tokens += tokens
+        prefill, decode, ubatch = [], [], None
+        before = after = None
+        for i in range(reps + 1):  # the first is a warm-up
+            if i == 1:
+                before = _cache_counts(srv)
+            body = {"prompt": tokens[i * 97:i * 97 + n], "n_predict": decode_tokens, "temperature": 0.0,
+                    "ignore_eos": True, "cache_prompt": False}
+            status, out = srv.post("/completion", body, timeout=timeout)
+            if status != 200:
+                raise PlanError(f"--measure: /completion answered {status}: {out}")
+            if i == 0:
+                continue
+            t = out["timings"]
+            prefill.append(float(t["prompt_per_second"]))
+            decode.append(float(t["predicted_per_second"]))
+            ubatch = t.get("prefill_ubatch") or ubatch
+        after = _cache_counts(srv)
+    finally:
+        srv.stop()
+        srv.cleanup()
+    hit = None
+    if before and after and after[0] + after[1] > before[0] + before[1]:
+        hit = (after[0] - before[0]) / ((after[0] - before[0]) + (after[1] - before[1]))
+    return {"prefill_tps": statistics.median(prefill), "decode_tps": statistics.median(decode), "reps": reps,
+            "prompt_tokens": n, "decode_tokens": decode_tokens, "hit_rate": hit, "prefill_ubatch": ubatch,
+            "samples": {"prefill_tps": prefill, "decode_tps": decode}}
+
+
+def _cache_counts(srv) -> tuple[int, int] | None:
+    """(hits, misses) of the hot-expert cache so far, or None without one."""
+    try:
+        status, body = srv.get("/moe-cache", timeout=30)
+    except OSError:
+        return None
+    if status != 200 or not isinstance(body, dict) or not body.get("enabled"):
+        return None
+    total = body.get("total") or {}
+    return int(total.get("hits", 0)), int(total.get("misses", 0))
+
+
 # --------------------------------------------------------------------------- command line
 
 
@@ -472,6 +548,10 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
     p.add_argument("--trace", type=Path, default=None,
                    help="a routing trace of your traffic (--moe-routing-trace): the hit rate at the planned slots "
                         "is replayed from it (default: uniform routing, a floor)")
+    p.add_argument("--measure", action="store_true",
+                   help="start the planned server and time it here: a prompt of --prompt-tokens tokens of real "
+                        "text (default: up to 4096) and 64 decoded tokens, twice after a warm-up; the medians are "
+                        "printed beside the bounds (a minute or two on a large model)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="another llama-server argument the plan must hold (repeat; e.g. --server-arg=-fa "
@@ -493,6 +573,9 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
         elif a.bandwidth != "none":
             req.bandwidth = parse_bandwidth(a.bandwidth)
         plan.rates()  # a trace that cannot be read fails here, not in the middle of the table
+        if a.measure:
+            print(f"{prog}: starting the planned server to measure it ...", file=sys.stderr, flush=True)
+            plan.measured = measure_rates(plan, a.prompt_tokens)
     except (PlanError, FileNotFoundError, ValueError, TraceError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

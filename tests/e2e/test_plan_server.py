@@ -190,3 +190,28 @@ def test_a_bench_arm_the_plan_completes(tmp_path, tiny_model, budget, subprocess
     assert arm["moe_cache"]["n_slots"] == SLOTS
     md = next(out.glob("*-planned.md")).read_text()
     assert "### Plans" in md and f"--moe-cache-slots {SLOTS}" in md
+    # and its plots, where matplotlib is installed (the test extra has it)
+    pytest.importorskip("matplotlib")
+    assert sorted(p.rsplit("-planned-", 1)[1] for p in data["plots"]) == ["hit-rate.png", "rates.png"]
+    for name in data["plots"]:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG" and f"![{name}]({name})" in md
+
+
+def test_the_plan_measures_its_own_command(tiny_model, budget, subprocess_env):
+    """--measure starts the planned server and times it on real text: the medians of the server's own
+    timings and the cache's hit rate over the timed requests; a prompt the context cannot hold is refused."""
+    import json
+
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    base = [sys.executable, "-m", "moecache.plan", str(tiny_model), "--ctx", str(CTX), "--users", str(USERS),
+            "--ubatch", str(UB), "--bandwidth", "none", "--measure"]
+    r = subprocess.run([*base, "--prompt-tokens", "128", "--json"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plan = json.loads(r.stdout)
+    m = plan["measured"]
+    assert plan["slots"] == SLOTS and m["prompt_tokens"] == 128 and m["decode_tokens"] == 64 and m["reps"] == 2
+    assert m["prefill_tps"] > 0 and m["decode_tps"] > 0 and len(m["samples"]["decode_tps"]) == 2
+    assert 0.0 < m["hit_rate"] <= 1.0
+    r = subprocess.run([*base, "--prompt-tokens", "1000"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "do not fit in 256 tokens of context per user" in r.stderr

@@ -574,8 +574,8 @@ def test_runner_writes_results_after_every_arm(tmp_path, fake_server_bin, capsys
     snapshots = []
     real_write = runner.write_results
 
-    def recording_write(run, out_dir, paths=None):
-        written = real_write(run, out_dir, paths)
+    def recording_write(run, out_dir, paths=None, plots=False):
+        written = real_write(run, out_dir, paths, plots=plots)
         snapshots.append((run.get("partial"), sorted({r["arm"] for r in run["results"]}),
                           report.render_markdown(run), written))
         return written
@@ -1089,7 +1089,7 @@ def test_bad_vram_budget_is_a_clear_error(tmp_path, value):
 def test_vram_budget_flag_overrides_the_scenario(tmp_path, monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(runner, "run_scenario",
-                        lambda sc, out, dry_run=False, logs_dir=None: (seen.append(sc.vram_budget_gib)
+                        lambda sc, out, dry_run=False, logs_dir=None, plots=True: (seen.append(sc.vram_budget_gib)
                                                                        or ({"ok": True}, None)))
     with_key = write_scenario(tmp_path, GOOD.replace("max_tokens = 8", "max_tokens = 8\nvram_budget_gib = 24"))
     without = write_scenario(tmp_path, GOOD, name="plain.toml")

@@ -66,6 +66,9 @@ def build_parser(prog: str = "moecache bench") -> argparse.ArgumentParser:
     p.add_argument("--server-logs", metavar="DIR",
                    help="keep each arm's llama-server log in DIR as <scenario>-<arm>.log (by default a log is "
                         "kept only when its arm failed), e.g. for GGML_SCHED_TIMES's per-backend times")
+    p.add_argument("--no-plots", dest="plots", action="store_false",
+                   help="write no plots (by default prefill/decode per arm and hit rate against slots are drawn "
+                        "beside the tables as PNGs, where matplotlib is installed: pip install 'moecache[plots]')")
     p.add_argument("--dry-run", action="store_true",
                    help="check the scenario and print the commands, the prompts and the model; start nothing")
     p.add_argument("--model-only", action="store_true",
@@ -137,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
                 logs_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ScenarioError(f"--server-logs: cannot make {logs_dir}: {e.strerror}") from None
-        run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run, logs_dir=logs_dir)
+        run, _ = run_scenario(sc, out_dir, dry_run=args.dry_run, logs_dir=logs_dir, plots=args.plots)
     except ScenarioError as e:
         print(f"moecache bench: {e}", file=sys.stderr)
         return 2

@@ -529,6 +529,11 @@ def render_markdown(run: dict) -> str:
                 f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if mean is None else f'{mean:.3f}'} "
                 f"| {'-' if step is None else f'{step:.2f}'} "
                 f"| {_fmt_count(c.get('batches_cached'))} | {_fmt_count(c.get('batches_bypassed'))} |")
+    if run.get("plots") or run.get("plots_note"):
+        lines += ["", "## Plots", ""]
+        lines += [f"![{name}]({name})" for name in run.get("plots") or []]
+        if run.get("plots_note"):
+            lines.append(run["plots_note"])
     lines += [
         "",
         "## Results",
@@ -672,13 +677,21 @@ def new_result_paths(out_dir: Path, date: str, name: str) -> tuple[Path, Path]:
         number += 1
 
 
-def write_results(run: dict, out_dir: str | Path, paths: tuple[Path, Path] | None = None) -> tuple[Path, Path]:
+def write_results(run: dict, out_dir: str | Path, paths: tuple[Path, Path] | None = None,
+                  plots: bool = False) -> tuple[Path, Path]:
     """Write a run's .md and .json and return their paths. Without `paths` the run gets files of
     its own (an earlier run of the same day is never overwritten); pass the paths a first call
-    returned to rewrite the same run's files (the partial results after every arm)."""
+    returned to rewrite the same run's files (the partial results after every arm). plots: draw the
+    run's plots beside them first (bench/plots.py; a note instead where matplotlib is missing)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     md, js = paths if paths is not None else new_result_paths(out_dir, run["date"], run["scenario"]["name"])
+    if plots:
+        from .plots import PLOTS_MISSING, have_matplotlib, write_plots
+
+        run["plots"] = write_plots(run, md)
+        if not have_matplotlib():
+            run["plots_note"] = PLOTS_MISSING
     md.write_text(render_markdown(run))
     js.write_text(json.dumps(run, indent=2, sort_keys=False) + "\n")
     return md, js

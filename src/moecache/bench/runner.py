@@ -852,9 +852,10 @@ def _progress(prompt: str, length: int | None, users: int, rep: int, reps: int, 
 
 
 def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out: TextIO | None = None,
-                 logs_dir: Path | None = None) -> tuple[dict, tuple[Path, Path] | None]:
-    """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run); with
-    `logs_dir`, keep each arm's server log there as <scenario>-<arm>.log."""
+                 logs_dir: Path | None = None, plots: bool = True) -> tuple[dict, tuple[Path, Path] | None]:
+    """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run), with their
+    plots (bench/plots.py) unless `plots` is false; with `logs_dir`, keep each arm's server log there as
+    <scenario>-<arm>.log."""
     out = out or sys.stderr
 
     def say(msg: str) -> None:
@@ -1122,7 +1123,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
     add_ratios(run["results"], sc.baseline.name)
     run["finished"] = _dt.datetime.now().isoformat(timespec="seconds")
     run["ok"] = not any_failed
-    paths = write_results(run, out_dir, paths) if out_dir is not None else None
+    paths = write_results(run, out_dir, paths, plots=plots) if out_dir is not None else None
     if paths:
         say(f"results: {paths[0]}\n         {paths[1]}")
     return run, paths
