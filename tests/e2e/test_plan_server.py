@@ -166,6 +166,7 @@ args = ["-ngl", "99", "--cpu-moe"]
 [[arms]]
 name = "planned"
 plan = true
+plan_measure = true
 args = []
 """
 
@@ -188,6 +189,9 @@ def test_a_bench_arm_the_plan_completes(tmp_path, tiny_model, budget, subprocess
     assert arm["plan"]["slots"] == SLOTS and "--moe-cache-slots" in arm["plan"]["added"]
     assert arm["server_args"][:len(arm["plan"]["added"])] == arm["plan"]["added"]
     assert arm["moe_cache"]["n_slots"] == SLOTS
+    # plan_measure: the plan's own measurement of the planned command, at the scenario's prompt and max_tokens
+    m = arm["plan"]["measured"]
+    assert m["prompt_tokens"] == 32 and m["decode_tokens"] == 8 and m["decode_tps"] > 0 and m["prefill_tps"] > 0
     md = next(out.glob("*-planned.md")).read_text()
     assert "### Plans" in md and f"--moe-cache-slots {SLOTS}" in md
     # and its plots, where matplotlib is installed (the test extra has it)

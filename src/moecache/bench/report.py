@@ -230,19 +230,25 @@ def _median_of(rows: list[dict], key: str) -> float | None:
 
 
 def _plan_lines(run: dict) -> list[str]:
-    """The arms `moecache plan` completed: what it planned and its rate bounds against what was measured."""
+    """The arms `moecache plan` completed: what it planned, its rate bounds and (plan_measure) the rates its
+    --measure got from the planned command, against what this run measured."""
     arms = [a for a in run["arms"] if a.get("plan")]
     if not arms:
         return []
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    ratio = lambda m, b: f"{m / b:.2f}" if m and b else "-"  # noqa: E731
+    num = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
     lines = ["", "### Plans", "",
              "The arms whose flags `moecache plan` completed before their server started (after the ballast, "
              "from the memory then free): per GPU the budget, the weights on it, the KV cache, the decode "
              "compute buffer and the slot banks (GiB, the library's own figures from llama-server "
-             "--memory-probe), and the plan's rate bounds from the bandwidths it measured against the medians "
-             "this run measured (prefill against the swap's bound where the plan has a swap).", "",
-             "| arm | flags added | GPU: budget / weights / KV / compute / banks | decode bound | decode measured | "
-             "ratio | prefill bound | prefill measured | ratio |",
+             "--memory-probe); the plan's rate bounds from the bandwidths it measured; where the arm has "
+             "plan_measure, the rates `moecache plan --measure` got from the planned command just before (its "
+             "own server, two requests after a warm-up); and the medians this run measured, with their ratios "
+             "to the bound and to the plan's measurement (prefill against the swap's bound where the plan has "
+             "a swap).", "",
+             "| arm | flags added | GPU: budget / weights / KV / compute / banks | decode: bound / plan / run | "
+             "run / bound | run / plan | prefill: bound / plan / run | run / bound | run / plan |",
              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for a in arms:
         p = a["plan"]
@@ -251,12 +257,12 @@ def _plan_lines(run: dict) -> list[str]:
         rows = [r for r in run["results"] if r.get("arm") == a["name"] and not r.get("error")]
         dec, pre = _median_of(rows, "decode_tps"), _median_of(rows, "prefill_tps")
         r = p.get("rates") or {}
-        dec_b = r.get("decode_bound")
-        pre_b = r.get("prefill_swap_bound") or r.get("prefill_bound")
-        ratio = lambda m, b: f"{m / b:.2f}" if m and b else "-"  # noqa: E731
-        num = lambda x: f"{x:.1f}" if x else "-"  # noqa: E731
+        m = p.get("measured") or {}
+        dec_b, dec_m = r.get("decode_bound"), m.get("decode_tps")
+        pre_b, pre_m = r.get("prefill_swap_bound") or r.get("prefill_bound"), m.get("prefill_tps")
         lines.append(f"| {_md_cell(a['name'])} | `{_md_cell(' '.join(p.get('added') or []))}` | {_md_cell(devs)} | "
-                     f"{num(dec_b)} | {num(dec)} | {ratio(dec, dec_b)} | {num(pre_b)} | {num(pre)} | {ratio(pre, pre_b)} |")
+                     f"{num(dec_b)} / {num(dec_m)} / {num(dec)} | {ratio(dec, dec_b)} | {ratio(dec, dec_m)} | "
+                     f"{num(pre_b)} / {num(pre_m)} / {num(pre)} | {ratio(pre, pre_b)} | {ratio(pre, pre_m)} |")
     bw = next((a["plan"]["rates"]["bandwidth"] for a in arms if a["plan"].get("rates")), None)
     if bw:
         lines += ["", f"Bandwidths the plans measured: host read {bw['host_read'] / 1e9:.1f} GB/s, GPU memory "

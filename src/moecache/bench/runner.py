@@ -787,10 +787,18 @@ def shown_command(srv: ServerProcess) -> list[str]:
             *srv.args]
 
 
-def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str]) -> None:
+def plan_measure_args(sc: Scenario, cases) -> dict:
+    """`moecache plan --measure` at the scenario's first prompt length and its max_tokens."""
+    lengths = [n for _, n, _ in cases if n]
+    return {"prompt_tokens": lengths[0] if lengths else None, "decode_tokens": sc.max_tokens}
+
+
+def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str], measure: dict | None = None) -> None:
     """`moecache-server --plan auto` for a bench arm: the plan of its flags (which win where they set a
-    setting) from the memory free now, with rate bounds from bandwidths measured on this machine."""
-    from ..plan import make_plan, measure_bandwidth_apart
+    setting) from the memory free now, with rate bounds from bandwidths measured on this machine; with
+    `measure`, `moecache plan --measure` first (its own server, started and stopped here), whose rates the
+    report sets beside the arm's."""
+    from ..plan import make_plan, measure_bandwidth_apart, measure_rates
     from ..server import plan_request_from_args, planned_args
 
     environ = {**os.environ, **env}
@@ -798,6 +806,11 @@ def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str]) -> None:
     plan = make_plan(req, environ=environ)
     if not plan.all_in_vram:
         req.bandwidth = measure_bandwidth_apart("CPU" if plan.host_test_device else plan.devices[0].name)
+    if measure is not None:
+        # the planned command as the plan prints it, with the arm's own flags after it (as the server gets them)
+        plan.request.extra_args = list(srv.args)
+        plan.measured = measure_rates(plan, env=env, **measure)
+        plan.request.extra_args = []
     added = planned_args(plan.args(), srv.args, environ)
     srv.args = [*added, *srv.args]
     rec["plan"] = {**plan.to_json(), "added": added}
@@ -957,7 +970,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             if arm.plan:
                 # after the ballast: the plan reads the memory the arm's server will find free
                 try:
-                    plan_arm(srv, rec, arm_env(sc, arm))
+                    plan_arm(srv, rec, arm_env(sc, arm),
+                             measure=plan_measure_args(sc, cases) if arm.plan_measure else None)
                 except Exception as e:  # noqa: BLE001 - a plan that fails is this arm's failure, said
                     any_failed = True
                     rec["error"] = f"plan: {str(e).splitlines()[0]}"

@@ -131,7 +131,7 @@ TOP_KEYS = {
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
-ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan"}
+ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan", "plan_measure"}
 DEPTH_FILLS = ("prefill", "copy")  # every slot prefills a depth / slot 0 does and the others copy its cache
 
 
@@ -182,6 +182,7 @@ class Arm:
     baseline: bool = False
     description: str = ""
     plan: bool = False  # `moecache plan` completes the arm's flags where they leave a setting open (--plan auto)
+    plan_measure: bool = False  # with plan: `moecache plan --measure` first, its rates beside the arm's
 
 
 @dataclass
@@ -424,7 +425,11 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
                         env=_env(path, f"{ctx}.env", a.get("env", {})),
                         baseline=_typed(path, f"{ctx}.baseline", a.get("baseline", False), bool, "true or false"),
                         description=_typed(path, f"{ctx}.description", a.get("description", ""), str, "a string"),
-                        plan=_typed(path, f"{ctx}.plan", a.get("plan", False), bool, "true or false")))
+                        plan=_typed(path, f"{ctx}.plan", a.get("plan", False), bool, "true or false"),
+                        plan_measure=_typed(path, f"{ctx}.plan_measure", a.get("plan_measure", False), bool,
+                                            "true or false")))
+        if arms[-1].plan_measure and not arms[-1].plan:
+            raise ScenarioError(_where(path, f"{ctx}.plan_measure needs plan = true"))
     arm_names = [a.name for a in arms]
     if len(set(arm_names)) != len(arm_names):
         raise ScenarioError(_where(path, f"arm names must be unique, got {arm_names}"))
