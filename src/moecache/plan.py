@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,7 @@ def size_text(b: int) -> str:
     return f"{b / GiB:.2f} GiB" if abs(b) >= GiB else f"{b / MiB:.1f} MiB"
 HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"
 HOST_DEVICE_MIB_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE_MIB"
+PROBE_TIMEOUT_S = 600  # a probe reads only the GGUF's metadata: seconds even for large models
 SWAP_FACTORS = (4, 2)  # the prefill ubatch tried, as multiples of the decode ubatch, largest first
 
 
@@ -102,12 +104,20 @@ def probe(model: Path, args: Sequence[str], env: Mapping[str, str] | None = None
         out = Path(d) / "probe.json"
         trace = ["--moe-routing-trace", str(Path(d) / "routing.jsonl")] if routing_readback else []
         cmd = [str(binary), "-m", str(model), *args, *trace, "--memory-probe", str(out)]
-        r = subprocess.run(cmd, env=dict(env) if env is not None else None, capture_output=True, text=True)
+        try:
+            r = subprocess.run(cmd, env=dict(env) if env is not None else None, capture_output=True, text=True,
+                               timeout=PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise PlanError(f"llama-server --memory-probe did not answer within {PROBE_TIMEOUT_S} s "
+                            f"({' '.join(args)})") from None
         if r.returncode != 0 or not out.is_file():
             tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
             raise PlanError(f"llama-server could not make the model and context of {' '.join(args)} "
                             f"(exit status {r.returncode}). It said:\n{tail}")
-        return json.loads(out.read_text())
+        try:
+            return json.loads(out.read_text())
+        except ValueError as e:
+            raise PlanError(f"llama-server --memory-probe wrote what is not JSON: {e}") from None
 
 
 @dataclass
@@ -252,7 +262,7 @@ class Plan:
         return server_args(self.request, slots=self.slots or None, prefill_ubatch=self.prefill_ubatch)
 
     def command(self) -> str:
-        return " ".join(["moecache-server", "-m", str(self.request.model), *self.args()])
+        return shlex.join(["moecache-server", "-m", str(self.request.model), *self.args()])
 
     def to_json(self) -> dict:
         return {
@@ -355,26 +365,52 @@ def _budgets(req: Request, rows: list[dict], host_test: bool, environ: Mapping[s
         mib = environ.get(HOST_DEVICE_MIB_ENV, "").strip()
         if not mib:
             raise PlanError(f"the host test device has no size: give --gpu-mem or set {HOST_DEVICE_MIB_ENV}")
-        return [int(float(mib) * MiB)]
+        try:
+            return [int(float(mib) * MiB)]
+        except ValueError:
+            raise PlanError(f"{HOST_DEVICE_MIB_ENV} must be a number of MiB (got {mib!r})") from None
     return [int(r["free"]) for r in rows]  # nothing is loaded yet: what the server will find free
+
+
+def _idle(row: dict) -> bool:
+    """A device the split gives nothing (-ts 1,0): its budget does not bind."""
+    return int(row["model"]) + int(row["context"]) + int(row["compute"]) == 0
+
+
+def _idle_device(d: Device) -> bool:
+    return d.model + d.context + d.compute == 0 and d.slot == 0
 
 
 def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Path | None = None) -> Plan:
     environ = os.environ if environ is None else environ
     req.check()
 
-    def probe_with(args: list[str], last: Sequence[str] = (), routing_readback: bool = False) -> dict:
-        return probe(req.model, args + list(req.probe_args) + list(last), env, binary, routing_readback)
     notes: list[str] = []
     env = dict(environ)
+    user_places_experts = False
+    if req.probe_args:
+        from .server import EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, user_decides
 
-    # 1. the whole model on the GPUs: no cache needed where it fits
-    if environ.get(HOST_DEVICE_ENV, "").strip() in ("", "0"):
+        user_places_experts = user_decides(req.probe_args, environ, EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV)
+
+    def probe_with(args: list[str], last: Sequence[str] = (), routing_readback: bool = False) -> dict:
+        if req.probe_args:
+            # what the server will run: the plan's flags the command line leaves open, then the command line
+            # (--cpu-moe, -ncmoe and -ot add up rather than the last one winning, so no plan flag may stay
+            # beside one of the user's)
+            from .server import planned_args
+
+            args = planned_args(args, req.probe_args, environ) + list(req.probe_args)
+        return probe(req.model, args + list(last), env, binary, routing_readback)
+
+    # 1. the whole model on the GPUs: no cache needed where it fits (your own expert placement stays yours)
+    if environ.get(HOST_DEVICE_ENV, "").strip() in ("", "0") and not user_places_experts:
         whole = probe_with(server_args(req, experts_on_host=False))
         rows, host_test = _gpu_rows(whole, environ)
         budgets = _budgets(req, rows, host_test, environ)
         headroom = int(whole.get("moe_cache_headroom_mib", 512)) * MiB
-        if all(int(r["model"]) + int(r["context"]) + int(r["compute"]) + headroom <= b for r, b in zip(rows, budgets)):
+        if all(_idle(r) or int(r["model"]) + int(r["context"]) + int(r["compute"]) + headroom <= b
+               for r, b in zip(rows, budgets)):
             devices = [Device(r["name"], r.get("description", ""), b, int(r["model"]), int(r["context"]),
                               int(r["compute"]), 0, 0, headroom) for r, b in zip(rows, budgets)]
             return Plan(req, devices, int(whole["host"]["model"]), int(whole["n_expert"]), int(whole.get("n_expert_used", 0)),
@@ -382,6 +418,12 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
 
     # 2. the routed experts in host memory, the cache's slots in what is left
     p = probe_with(server_args(req, slots=1))
+    if int(p["n_ctx"]) != req.ctx * req.users and int(p["n_ctx"]) > 0:
+        # -c 0 (the model's own context) or a context llama.cpp rounded: the plan is of what it will get
+        notes.append(f"the context is {p['n_ctx']} tokens in all (asked: {req.ctx * req.users})")
+        req.ctx = max(1, int(p["n_ctx"]) // req.users)
+    if user_places_experts:
+        notes.append("your -ot / --cpu-moe / -ncmoe place the experts; the plan keeps them")
     if int(p["n_expert"]) == 0:
         raise PlanError(f"{req.model} has no routed experts: nothing for the hot-expert cache to hold. Serve it "
                         "with -ngl 99 if it fits, or plan with llama.cpp's --fit.")
@@ -391,12 +433,12 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
     devices = [Device(r["name"], r.get("description", ""), b, int(r["model"]), int(r["context"]), int(r["compute"]),
                       int(r["moe_slot"]), int(r["n_moe_layers"]), headroom, counts_model=not host_test)
                for r, b in zip(rows, budgets)]
-    over = [d for d in devices if d.fixed > d.budget]
+    over = [d for d in devices if d.fixed > d.budget and not _idle_device(d)]
     if over:
         d = over[0]
         kv_per_1k = d.context / max(1, req.ctx * req.users) * 1000
         raise PlanError(
-            f"{d.name}: {'the weights without the routed experts (' + size_text(d.model) + '), ' if d.counts_model else ''}"
+            f"{d.name}: {('the weights on it (' if user_places_experts else 'the weights without the routed experts (') + size_text(d.model) + '), ' if d.counts_model else ''}"
             f"the KV cache ({size_text(d.context)} for {req.users} x {req.ctx} tokens), the compute buffers "
             f"({size_text(d.compute)} at -ub {req.ubatch}) and the headroom kept free ({d.headroom // MiB} MiB) need "
             f"{size_text(d.fixed)}, over the {size_text(d.budget)} budget. Fix: lower --ctx or --users (the KV cache "
@@ -535,7 +577,9 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
                     "(llama-server --memory-probe). Prints the plan and the moecache-server command.")
     p.add_argument("model", type=Path, help="the GGUF model")
     p.add_argument("--gpu-mem", type=_gib_list, default=None, metavar="GIB[,GIB...]",
-                   help="the budget of each GPU in GiB (one for all, or one per GPU; default: what each has free now)")
+                   help="the budget of each GPU in GiB (one for all, or one per GPU; default: what each has free now): "
+                        "the memory the server may use, so on a card of 24 GiB with a display or another CUDA "
+                        "process on it give what is free there, less about 0.5 GiB for the server's CUDA context")
     p.add_argument("--ctx", type=int, default=8192, help="tokens of context per user (default: 8192)")
     p.add_argument("--users", type=int, default=1, help="sessions served at once, llama-server's -np (default: 1)")
     p.add_argument("--ubatch", type=int, default=512, help="the decode ubatch, llama-server's -ub (default: 512)")
@@ -569,7 +613,7 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
             if not plan.all_in_vram:
                 device = "CPU" if plan.host_test_device else plan.devices[0].name
                 print(f"{prog}: measuring bandwidths ({device or 'host only'}) ...", file=sys.stderr, flush=True)
-                req.bandwidth = measure_bandwidth(device)
+                req.bandwidth = measure_bandwidth_apart(device)  # its CUDA context must not stay beside --measure's server
         elif a.bandwidth != "none":
             req.bandwidth = parse_bandwidth(a.bandwidth)
         plan.rates()  # a trace that cannot be read fails here, not in the middle of the table

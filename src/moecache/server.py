@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         try:
             plan = make_plan(plan_request_from_args(model, rest, os.environ, gpu_mem),
                              environ={**os.environ, **(env or {})})
-        except (PlanError, FileNotFoundError) as e:
+        except (PlanError, FileNotFoundError, ValueError) as e:
             print(f"{prog}: --plan auto: {e}", file=sys.stderr)
             return EXIT_USAGE
         added = planned_args(plan.args(), rest, os.environ)

@@ -219,3 +219,9 @@ def test_the_plan_measures_its_own_command(tiny_model, budget, subprocess_env):
     assert 0.0 < m["hit_rate"] <= 1.0
     r = subprocess.run([*base, "--prompt-tokens", "1000"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "do not fit in 256 tokens of context per user" in r.stderr
+
+
+def test_a_probe_without_a_model_is_an_error(llama_server_bin):
+    """Without -m llama-server would start its router and listen: --memory-probe refuses instead."""
+    r = subprocess.run([str(llama_server_bin), "--memory-probe", "-"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--memory-probe needs a model" in (r.stdout + r.stderr)

@@ -46,21 +46,26 @@ def fake_probe(monkeypatch, tmp_path):
     return use
 
 
+def last_value(args, flag):
+    return args[len(args) - 1 - args[::-1].index(flag) + 1]
+
+
 def ub_of(args):
-    return int(args[len(args) - 1 - args[::-1].index("-ub") + 1])
+    return int(last_value(args, "-ub"))
 
 
 def answer(whole_fits=False, prefill_compute=None, **kw):
     """Whole model (no --cpu-moe): 60 GiB of weights unless whole_fits; with --cpu-moe: gpu(**kw), and a
     compute buffer of prefill_compute[ub] at a larger ubatch."""
     def f(args):
-        if "--cpu-moe" not in args:
+        if not {"--cpu-moe", "-ot", "-ncmoe"} & set(args):  # any of them: the experts (or some) in host memory
             return probe_result([gpu(model=(3 if whole_fits else 60) * GiB, slot=0, layers=0)], host_model=0)
         ub = ub_of(args)
         d = gpu(**kw)
         if prefill_compute and ub in prefill_compute:
             d["compute"] = prefill_compute[ub]
-        return probe_result([d], n_ubatch=ub)
+        c = int(last_value(args, "-c"))
+        return {**probe_result([d], n_ubatch=ub), "n_ctx": c or 40960}  # -c 0: the model's own context
     return f
 
 
@@ -221,3 +226,37 @@ def test_the_users_flags_and_environment_win_over_the_plan():
 def test_plan_flags_are_moecache_flags():
     ours, rest = server.split_args(["--plan", "auto", "--plan-gpu-mem", "24", "-m", "x.gguf"])
     assert (ours.plan, ours.plan_gpu_mem, rest) == ("auto", "24", ["-m", "x.gguf"])
+
+
+def test_your_expert_placement_is_probed_as_the_server_runs_it(fake_probe):
+    """--plan auto with your own -ot (or --cpu-moe): the probes carry your flags and none of the plan's that
+    they decide (-ot, --cpu-moe and -ncmoe add up instead of the last one winning), and the whole-model step
+    does not plan your placement away."""
+    model = fake_probe(answer())
+    for mine in (["-ot", "token_embd=CPU"], ["--cpu-moe"], ["-ncmoe", "10"]):
+        fake_probe.calls.clear()
+        p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False, probe_args=["-m", str(model), *mine]))
+        assert not p.all_in_vram and any("place the experts" in n for n in p.notes)
+        for call in fake_probe.calls:
+            placement = [a for a in call if a in ("--cpu-moe", "-ot", "-ncmoe")]
+            assert placement == [mine[0]], call
+        assert "--cpu-moe" not in server.planned_args(p.args(), ["-m", str(model), *mine], {})
+
+
+def test_the_context_the_server_gets_is_the_one_planned(fake_probe):
+    model = fake_probe(answer())
+    p = make_plan(Request(model, ctx=8192, users=2, gpu_mem_gib=[16.0], swap=False, probe_args=["-c", "0"]))
+    assert p.request.ctx == 40960 // 2 and any("40960 tokens in all" in n for n in p.notes)
+
+
+def test_an_idle_gpu_does_not_bind_the_plan(fake_probe):
+    idle = {**gpu("CUDA1", model=0, context=0, compute=0, slot=0, layers=0, free=100 * MiB)}
+    model = fake_probe(lambda args: probe_result([gpu(), idle]) if "--cpu-moe" in args
+                       else probe_result([gpu(model=60 * GiB), idle]))
+    p = make_plan(Request(model, gpu_mem_gib=[16.0, 0.1], swap=False))
+    assert p.slots == 87
+
+
+def test_the_host_read_bandwidth_is_measured():
+    bw = planmod.measure_bandwidth("", mib=64, reps=1, threads=2)
+    assert bw.host_read > 1e8 and bw.device == 0 and not bw.usable()

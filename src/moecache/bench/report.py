@@ -695,9 +695,13 @@ def write_results(run: dict, out_dir: str | Path, paths: tuple[Path, Path] | Non
     if plots:
         from .plots import PLOTS_MISSING, have_matplotlib, write_plots
 
-        run["plots"] = write_plots(run, md)
-        if not have_matplotlib():
-            run["plots_note"] = PLOTS_MISSING
+        try:
+            run["plots"] = write_plots(run, md)
+            if not have_matplotlib():
+                run["plots_note"] = PLOTS_MISSING
+        except Exception as e:  # noqa: BLE001 - a plot that cannot be drawn must not cost the results
+            run["plots"] = []
+            run["plots_note"] = f"plots: drawing them failed ({type(e).__name__}: {e})"
     md.write_text(render_markdown(run))
     js.write_text(json.dumps(run, indent=2, sort_keys=False) + "\n")
     return md, js
