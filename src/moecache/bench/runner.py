@@ -943,6 +943,13 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
     prompts = PromptTokens()
     any_failed = False
     paths = None  # this run's result files, chosen at its first write
+
+    def fail_cases(arm_name: str, error: str) -> None:
+        """Every case of an arm that could not run: a row each, with the reason."""
+        for ps, n, d in cases:
+            for users in sc.users:
+                run["results"].append(case_row(arm_name, ps, n, d, users, error=error))
+
     for ai, (arm, srv, rec) in enumerate(zip(sc.arms, servers, run["arms"])):
         say(f"[{ai + 1}/{len(sc.arms)}] arm '{arm.name}'{' (baseline)' if arm.baseline else ''}: starting "
             f"llama-server {' '.join(shlex.quote(x) for x in rec['server_args'])}")
@@ -960,9 +967,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                     rec["ballast"] = {"budget_gib": sc.vram_budget_gib, "error": str(e)}
                     rec["error"] = f"VRAM ballast: {str(e).splitlines()[0]}"
                     say(f"  FAILED: {rec['error']}\n{e}")
-                    for ps, n, d in cases:
-                        for users in sc.users:
-                            run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
+                    fail_cases(arm.name, rec["error"])
                     continue
                 say("  " + ballast_note(rec["ballast"]))
                 if rec["ballast"].get("warning"):
@@ -976,9 +981,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                     any_failed = True
                     rec["error"] = f"plan: {str(e).splitlines()[0]}"
                     say(f"  FAILED to plan: {e}")
-                    for ps, n, d in cases:
-                        for users in sc.users:
-                            run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
+                    fail_cases(arm.name, rec["error"])
                     continue
                 say(f"  planned: {' '.join(rec['plan']['added'])}")
             t0 = time.monotonic()
@@ -989,9 +992,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 rec["error"] = str(e).splitlines()[0]
                 rec["command"] = shown_command(srv)
                 say(f"  FAILED to start: {e}")
-                for ps, n, d in cases:
-                    for users in sc.users:
-                        run["results"].append(case_row(arm.name, ps, n, d, users, error=rec["error"]))
+                fail_cases(arm.name, rec["error"])
                 srv.cleanup()
                 continue
             rec["command"] = shown_command(srv)
