@@ -67,7 +67,8 @@ def rates_figure(run: dict):
         ax.set_xticklabels(cases, rotation=20, ha="right", fontsize=8)
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].legend(fontsize=7)
+    if drawn:
+        axes[1].legend(fontsize=7)
     fig.suptitle(f"{run['scenario']['name']} ({run.get('moecache_commit', '?')})", fontsize=9)
     fig.tight_layout()
     return fig, drawn
