@@ -240,6 +240,7 @@ class Plan:
     notes: list[str]
     host_test_device: bool = False
     measured: dict | None = None  # measure_rates(): the planned server's own prefill and decode here
+    _replayed: tuple | None = field(default=None, repr=False, compare=False)  # ((trace, slots), hit rate)
 
     def hit_rate(self) -> tuple[float, str]:
         """The share of routed experts the slots hold: replayed from the user's trace, else uniform routing
@@ -247,10 +248,13 @@ class Plan:
         if self.slots <= 0:
             return 0.0, "no cache"
         if self.request.trace is not None:
-            from .cache_sim import load_trace, simulate
+            key = (str(self.request.trace), self.slots)
+            if self._replayed is None or self._replayed[0] != key:  # rates() runs for the table and the JSON
+                from .cache_sim import load_trace, simulate
 
-            r = simulate(load_trace(self.request.trace), self.slots)
-            return float(r["hit_rate"]), f"replayed {self.request.trace}"
+                r = simulate(load_trace(self.request.trace), self.slots)
+                self._replayed = (key, float(r["hit_rate"]))
+            return self._replayed[1], f"replayed {self.request.trace}"
         return min(1.0, self.slots / max(1, self.n_expert)), "uniform routing (a floor)"
 
     def rates(self) -> Rates | None:

@@ -260,3 +260,16 @@ def test_an_idle_gpu_does_not_bind_the_plan(fake_probe):
 def test_the_host_read_bandwidth_is_measured():
     bw = planmod.measure_bandwidth("", mib=64, reps=1, threads=2)
     assert bw.host_read > 1e8 and bw.device == 0 and not bw.usable()
+
+
+def test_a_trace_is_replayed_once_for_the_table_and_the_json(fake_probe, monkeypatch):
+    from moecache import cache_sim
+
+    model = fake_probe(answer())
+    calls = []
+    monkeypatch.setattr(cache_sim, "load_trace", lambda path: path)
+    monkeypatch.setattr(cache_sim, "simulate", lambda trace, slots: calls.append(slots) or {"hit_rate": 0.8})
+    bw = planmod.parse_bandwidth("host=50,device=4000,h2d=25")
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False, bandwidth=bw, trace=model))
+    p.rates(), p.render(), p.to_json()
+    assert calls == [87] and p.rates().hit_rate == 0.8 and "replayed" in p.rates().hit_source
