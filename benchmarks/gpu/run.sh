@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -184,6 +184,39 @@ while [ $i -lt ${#phases[@]} ]; do
             | tee "$out/cpu-decode-vram.jsonl" | python3 -c 'import json, sys; [print("cpu-decode: all in VRAM: %.1f t/s" % r["avg_ts"]) for r in map(json.loads, sys.stdin)]' \
             | tee -a "$out/run.log" || { tail -20 "$out/cpu-decode-vram.err"; failed=1; }
         grep -h "ggml_sched_times" "$out/cpu-decode.err" "$out/cpu-decode-vram.err" | tee "$out/cpu-decode-times.log" | tee -a "$out/run.log" || true
+        ;;
+    cpu-pages)
+        # issue 11 goal 2: does the page size of the experts' host memory decide all-CPU decode?
+        # host-bandwidth.c over allocation kinds (THP advised or not, cudaMallocHost, huge pages
+        # page-locked as patch 0075 does), then llama-bench tg64 on the 30B model: pinned buffers
+        # with GGML_CUDA_HOST_HUGEPAGES off and on, pageable GGUF-layout and repacked buffers
+        wait_ahead cpu-pages
+        log "cpu-pages: THP $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
+        cuda=$(dirname "$(dirname "$(command -v nvcc)")")
+        cc -O3 -march=native -fopenmp -DHOST_BW_CUDA -I"$cuda/include" -o /tmp/host-bandwidth-cuda \
+            "$repo/benchmarks/gpu/host-bandwidth.c" -L"$cuda/lib64" -lcudart
+        /tmp/host-bandwidth-cuda 8 16 default,thp,4k,cuda-host,cuda-host-thp 0,64 | tee "$out/host-bandwidth-pages.jsonl" | tee -a "$out/run.log"
+        q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
+        bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
+        : > "$out/cpu-pages.jsonl"
+        : > "$out/cpu-pages.err"
+        for variant in "0 --no-host 0" "1 --no-host 0" "0 --no-host 1 --repack 0 --mmap 0" "0 --no-host 1 --repack 1 --mmap 0"; do
+            huge=${variant%% *}
+            # the system's anonymous huge pages while it runs, at most: did THP back the buffers?
+            echo 0 > /tmp/cpu-pages-huge
+            (m=0; while sleep 2; do v=$(awk '/AnonHugePages/ {print $2}' /proc/meminfo); [ "$v" -gt "$m" ] && m=$v && echo "$m" > /tmp/cpu-pages-huge; done) &
+            sampler=$!
+            # shellcheck disable=SC2086 # the variant's flags are a word list
+            GGML_CUDA_HOST_HUGEPAGES=$huge GGML_SCHED_TIMES=1 "$bench" -m "$q30" -p 0 -n 64 -r 3 -fa 1 -ngl 99 -ot exps=CPU -lm none \
+                -t 16 ${variant#* } -v -o jsonl 2>> "$out/cpu-pages.err" \
+                | H="$huge" python3 -c 'import json, sys, os; [print(json.dumps(dict(r, host_hugepages=int(os.environ["H"])))) for r in map(json.loads, sys.stdin)]' \
+                | tee -a "$out/cpu-pages.jsonl" \
+                | python3 -c 'import json, sys; [print("cpu-pages: hugepages=%s no_host=%s repack=%s mmap=%s: %.1f t/s" % (r["host_hugepages"], r.get("no_host"), r.get("repack"), r.get("use_mmap"), r["avg_ts"])) for r in map(json.loads, sys.stdin)]' \
+                | tee -a "$out/run.log" || { tail -20 "$out/cpu-pages.err"; failed=1; }
+            kill "$sampler" 2>/dev/null || true
+            log "cpu-pages: hugepages=$huge ${variant#* }: at most $(cat /tmp/cpu-pages-huge) kB AnonHugePages while it ran"
+        done
+        grep -h "ggml_sched_times" "$out/cpu-pages.err" | tee "$out/cpu-pages-times.log" | tee -a "$out/run.log" || true
         ;;
     qsa-ops)
         # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
