@@ -200,7 +200,10 @@ while [ $i -lt ${#phases[@]} ]; do
         bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
         : > "$out/cpu-pages.jsonl"
         : > "$out/cpu-pages.err"
-        for variant in "0 --no-host 0" "1 --no-host 0" "0 --no-host 1 --repack 0 --mmap 0" "0 --no-host 1 --repack 1 --mmap 0"; do
+        # CPU_PAGES_VARIANTS: "HUGE FLAGS;..." (HUGE: GGML_CUDA_HOST_HUGEPAGES; -lm none: the
+        # --no-host buffers are allocated, not mapped from the file)
+        IFS=';' read -r -a variants <<< "${CPU_PAGES_VARIANTS:-0 --no-host 0;1 --no-host 0;0 --no-host 1 --repack 0;0 --no-host 1 --repack 1}"
+        for variant in "${variants[@]}"; do
             huge=${variant%% *}
             # the system's anonymous huge pages while it runs, at most: did THP back the buffers?
             echo 0 > /tmp/cpu-pages-huge
