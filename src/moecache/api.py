@@ -445,7 +445,9 @@ class Model:
     places tensors by regex, as llama-server's -ot: [("exps", "CPU")] or "exps=CPU" (first match
     wins; the cpu_moe and n_cpu_moe rules come first). `pinned=True` keeps the host-resident weights in the
     GPU's pinned host memory (faster uploads; it implies no mmap); without a GPU it is ignored with a
-    warning. `pinned=False, use_mmap=False` is llama-server's `--no-mmap --no-host`.
+    warning. `pinned=False, use_mmap=False` is llama-server's `--no-mmap --no-host`. `hugepages=True` puts
+    that pinned memory on transparent huge pages (llama-server's --host-hugepages): the CPU computes with
+    host-resident experts about 11-15% faster on the H200 machine, the same bytes; it needs `pinned=True`.
     `repack=False` is llama-server's --no-repack (no CPU weight repacking: AMX, interleaved quants);
     the hot-expert cache (Context's moe_cache_* options) needs it for host experts, since it cannot
     copy repacked experts into its slots.
@@ -464,6 +466,7 @@ class Model:
         verbose: bool = False,
         repack: bool = True,
         cpu_moe: bool = False,
+        hugepages: bool = False,
     ):
         path = Path(os.fspath(path)).expanduser()
         _check_gguf_file(path)
@@ -487,6 +490,11 @@ class Model:
             note = "pinned=True is ignored: there is no GPU, so there is no pinned host memory to use"
             self.notes.append(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
+        if hugepages and not (pinned and core.have_gpu()):
+            note = ("hugepages=True is ignored: it applies to the GPU's pinned host memory, so it needs pinned=True "
+                    "and a GPU")
+            self.notes.append(note)
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
         self._m = core.Model(
             str(path),
             n_gpu_layers=n_gpu_layers,
@@ -498,6 +506,7 @@ class Model:
             pinned=bool(pinned),
             repack=bool(repack),
             verbose=bool(verbose),
+            hugepages=bool(hugepages),
         )
         self.path = str(path)
         self.arch = self._m.arch
@@ -520,6 +529,7 @@ class Model:
             "use_mlock": bool(use_mlock),
             "pinned": bool(pinned),
             "repack": bool(repack),
+            "hugepages": bool(hugepages),
         }
 
     def __repr__(self) -> str:
@@ -807,7 +817,8 @@ class PrefillSwap:
         ({"short", "others_generating", "bypass"}), failed ({"reserve", "restore", "banks", "upload"}:
         each failure left a working context), release_ms / reserve_ms / restore_ms (the last swap),
         total_ms, bytes_released / bytes_restored (device memory, the last swap), n_slots (the
-        cache's slots after the last restore), warm_uploads, and the expert cache's routing over the
+        cache's slots after the last restore), warm_uploads (queued by warm restores), warm_dropped (of
+        them, dropped by the next swap before they were copied), and the expert cache's routing over the
         first 64 decoded tokens after each restore: after_restore_tokens, _hits, _misses, _hit_rate."""
         return dict(self._c.prefill_swap_stats())
 

@@ -348,3 +348,22 @@ def test_a_request_cancelled_during_its_swapped_prompt_ends_the_swap(tiny_model,
     released = [int(n) for n in re.findall(r"task 0 \| stop processing: n_tokens = (\d+)", log)]
     assert "cancel task" in log and released and released[0] < 1000, released
     assert after["tokens"] == stock_big[0]["tokens"]
+
+
+def test_a_prompt_right_after_a_restore_drops_the_warm_uploads_not_yet_made(tiny_model, stock_big):
+    """Each upload takes 100 ms longer (a slow link): the first long prompt's warm restore queues one upload
+    per slot (8 x 4 layers, over 3 s), and the second long prompt, sent as soon as the first returns its one
+    token, starts its swap while most of them are still queued. The release drops them, since their banks
+    go, instead of waiting for them all; the output is the stock one."""
+    env = {**HOST, "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "100"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        first = complete(srv, LONG, n_predict=1)
+        second = complete(srv, LONG, n_predict=16)
+        st = swap_stats(srv)
+        status, metrics = srv.get("/metrics")
+    assert st["swaps"] == 2 and not any(st["failed"].values())
+    # the two restores queued about 32 each; most of the first one's were still waiting
+    assert st["warm_uploads"] > 16 and st["warm_dropped"] >= 8, st
+    assert first["tokens"] == stock_big[0]["tokens"][:1]
+    assert second["tokens"] == stock_big[0]["tokens"]
+    assert status == 200 and "llamacpp:prefill_swap_warm_dropped_total" in metrics

@@ -1,7 +1,8 @@
-"""Pinned host buffers on transparent huge pages (patch 0075, GGML_CUDA_HOST_HUGEPAGES=1): the experts
-in host memory come from an MADV_HUGEPAGE mapping page-locked with cudaHostRegister instead of
+"""Pinned host buffers on transparent huge pages (patch 0075, --host-hugepages or GGML_CUDA_HOST_HUGEPAGES=1):
+the experts in host memory come from an MADV_HUGEPAGE mapping page-locked with cudaHostRegister instead of
 cudaMallocHost. Same bytes, same kernels: the output must be bit-identical, with the experts computed
-on the CPU and uploaded into the hot-expert cache's slots from there.
+on the CPU and uploaded into the hot-expert cache's slots from there. When the huge pages cannot be had
+(GGML_CUDA_HOST_HUGEPAGES_FAIL=1) the server warns, falls back to cudaMallocHost and answers the same.
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
 """
@@ -34,20 +35,24 @@ def _thp_mode() -> str:
     return text[text.index("[") + 1:text.index("]")]
 
 
-def _run(model, args, huge: bool):
-    env = {"GGML_CUDA_HOST_HUGEPAGES": "1" if huge else "0"}
-    with ServerProcess(model, args=args, env=env, timeout=180) as srv:
+def _run(model, args, env=None):
+    with ServerProcess(model, args=args, env=env or {}, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]
         st = cache_stats(srv) if "--moe-cache-slots" in args else None
         huge_kb = _anon_huge_kb(srv.proc.pid)
-    return outs, st, huge_kb
+        log = srv.log_text()
+    return outs, st, huge_kb, log
 
 
-@pytest.mark.parametrize("cache", [False, True], ids=["cpu-experts", "cache"])
-def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache):
+@pytest.mark.parametrize("cache,switch", [(False, "flag"), (True, "flag"), (False, "env")],
+                         ids=["cpu-experts", "cache", "cpu-experts-env"])
+def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache, switch):
     args = BASE_ARGS + (CACHE_ARGS if cache else [])
-    base, base_st, base_kb = _run(tiny_model, args, huge=False)
-    outs, st, kb = _run(tiny_model, args, huge=True)
+    base, base_st, base_kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "0"})
+    if switch == "flag":
+        outs, st, kb, _ = _run(tiny_model, [*args, "--host-hugepages"])
+    else:
+        outs, st, kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "1"})
     for a, b in zip(base, outs):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a, b) == 0.0
@@ -56,3 +61,13 @@ def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache):
     if _thp_mode() != "never":
         # the experts' buffer (padded to 2 MiB) is backed by huge pages only with the switch on
         assert kb >= base_kb + 2048, (kb, base_kb)
+
+
+def test_without_huge_pages_the_server_warns_and_answers_the_same(tiny_model):
+    base, _, base_kb, _ = _run(tiny_model, BASE_ARGS)
+    outs, _, kb, log = _run(tiny_model, [*BASE_ARGS, "--host-hugepages"], {"GGML_CUDA_HOST_HUGEPAGES_FAIL": "1"})
+    assert "on huge pages, using cudaMallocHost" in log
+    for a, b in zip(base, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) == 0.0
+    assert kb < base_kb + 2048, (kb, base_kb)

@@ -247,7 +247,8 @@ static std::shared_ptr<model_handle> load_model(
         bool use_mlock,
         bool pinned,
         bool repack,
-        bool verbose) {
+        bool verbose,
+        bool hugepages) {
     if (n_cpu_moe < 0) {
         throw std::invalid_argument("n_cpu_moe must be >= 0 (got " + std::to_string(n_cpu_moe) + ")");
     }
@@ -310,6 +311,7 @@ static std::shared_ptr<model_handle> load_model(
         use_mmap = false;
     }
     mparams.no_host = gpu && !pinned && !use_mmap;
+    mparams.host_hugepages = hugepages; // the pinned host memory on huge pages: llama-server's --host-hugepages
     if (use_mmap) {
         mparams.load_mode = use_mlock ? LLAMA_LOAD_MODE_MMAP_MLOCK : LLAMA_LOAD_MODE_MMAP;
     } else {
@@ -1298,7 +1300,7 @@ PYBIND11_MODULE(_core, mod) {
         .def(py::init(&load_model), py::arg("path"), py::arg("n_gpu_layers") = 0, py::arg("n_cpu_moe") = 0,
              py::arg("cpu_moe") = false, py::arg("tensor_overrides") = std::vector<std::pair<std::string, std::string>>(), py::arg("use_mmap") = true,
              py::arg("use_mlock") = false, py::arg("pinned") = false, py::arg("repack") = true,
-             py::arg("verbose") = false)
+             py::arg("verbose") = false, py::arg("hugepages") = false)
         .def_readonly("path", &model_handle::path)
         .def_readonly("arch", &model_handle::arch)
         .def_property_readonly("n_layer", [](const model_handle & m) { return llama_model_n_layer(m.model); })
@@ -1439,6 +1441,7 @@ PYBIND11_MODULE(_core, mod) {
             d["bytes_restored"] = st.bytes_restored;
             d["n_slots"] = st.n_slots;
             d["warm_uploads"] = st.warm_uploads;
+            d["warm_dropped"] = st.warm_dropped;
             d["after_restore_tokens"] = st.after_restore_tokens;
             d["after_restore_hits"] = st.after_restore_hits;
             d["after_restore_misses"] = st.after_restore_misses;
