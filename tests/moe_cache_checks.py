@@ -179,3 +179,17 @@ def full_kq_mask_ops(log: str, backend: str, n_tokens: int) -> list[str]:
             and any("qsa_topk_blocks" in e for e in r["rows"]) for e in r["rows"]
             if (e.startswith("LOG ") or e.startswith("CPY attn_inp_kq_mask")) and op_shape(e)[0] % 256 == 0
             and op_shape(e)[1] == n_tokens]
+
+
+def anon_huge_kb(pid: int) -> int:
+    """kB of transparent huge pages a process holds (AnonHugePages of /proc/PID/smaps_rollup)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode: always, madvise or never."""
+    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    return text[text.index("[") + 1:text.index("]")]

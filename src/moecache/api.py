@@ -446,8 +446,8 @@ class Model:
     wins; the cpu_moe and n_cpu_moe rules come first). `pinned=True` keeps the host-resident weights in the
     GPU's pinned host memory (faster uploads; it implies no mmap); without a GPU it is ignored with a
     warning. `pinned=False, use_mmap=False` is llama-server's `--no-mmap --no-host`. `hugepages=True` puts
-    that pinned memory on transparent huge pages (llama-server's --host-hugepages): the CPU computes with
-    host-resident experts about 11-15% faster on the H200 machine, the same bytes; it needs `pinned=True`.
+    the host-resident weights on transparent huge pages, pinned or loaded (not a file mapping; llama-server's
+    --host-hugepages): the CPU computed with pinned experts 11-15% faster on the H200 machine, same bytes.
     `repack=False` is llama-server's --no-repack (no CPU weight repacking: AMX, interleaved quants);
     the hot-expert cache (Context's moe_cache_* options) needs it for host experts, since it cannot
     copy repacked experts into its slots.
@@ -490,9 +490,9 @@ class Model:
             note = "pinned=True is ignored: there is no GPU, so there is no pinned host memory to use"
             self.notes.append(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-        if hugepages and not (pinned and core.have_gpu()):
-            note = ("hugepages=True is ignored: it applies to the GPU's pinned host memory, so it needs pinned=True "
-                    "and a GPU")
+        if hugepages and use_mmap and not (pinned and core.have_gpu()):
+            note = ("hugepages=True is ignored: the host-resident weights are a mapping of the file; it applies to "
+                    "the GPU's pinned host memory (pinned=True) or to loaded weights (use_mmap=False)")
             self.notes.append(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         self._m = core.Model(

@@ -491,10 +491,11 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
 
 
 def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: int = 64, reps: int = 2,
-                  env: Mapping[str, str] | None = None, timeout: float = 900.0) -> dict:
+                  env: Mapping[str, str] | None = None, timeout: float = 900.0, text: str | None = None) -> dict:
     """Start the planned server and time it: a warm-up, then `reps` requests of `prompt_tokens` tokens of real
     text (a new slice each, no prompt cache) and `decode_tokens` decoded tokens; the medians of the server's
-    own timings, with the cache's hit rate over them. What the plan's command gives on this machine."""
+    own timings, with the cache's hit rate over them. What the plan's command gives on this machine. `text`:
+    the text to slice (yours: the routing, so the hit rate, follows it); by default the bundled texts."""
     import statistics
 
     from .server import ServerError, ServerProcess
@@ -505,7 +506,9 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
     if n < 1 or n + decode_tokens > n_ctx:
         raise PlanError(f"--measure: a prompt of {n} tokens and {decode_tokens} decoded ones do not fit in "
                         f"{n_ctx} tokens of context per user: lower --prompt-tokens or raise --ctx")
-    text = "\n\n".join(t for _, t in default_texts())
+    given = bool(text and text.strip())
+    if not given:
+        text = "\n\n".join(t for _, t in default_texts())
     srv = ServerProcess(plan.request.model, args=[*plan.args(), "--cache-ram", "0"], env=dict(env or {}),
                         timeout=timeout)
     try:
@@ -544,6 +547,7 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
         hit = (after[0] - before[0]) / ((after[0] - before[0]) + (after[1] - before[1]))
     return {"prefill_tps": statistics.median(prefill), "decode_tps": statistics.median(decode), "reps": reps,
             "prompt_tokens": n, "decode_tokens": decode_tokens, "hit_rate": hit, "prefill_ubatch": ubatch,
+            "text": "given" if given else "bundled",
             "samples": {"prefill_tps": prefill, "decode_tps": decode}}
 
 
@@ -600,6 +604,9 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
                    help="start the planned server and time it here: a prompt of --prompt-tokens tokens of real "
                         "text (default: up to 4096) and 64 decoded tokens, twice after a warm-up; the medians are "
                         "printed beside the bounds (a minute or two on a large model)")
+    p.add_argument("--measure-text", metavar="FILE",
+                   help="with --measure: time prompts cut from this text (yours: the experts it routes decide the "
+                        "hit rate) instead of the bundled texts")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="another llama-server argument the plan must hold (repeat; e.g. --server-arg=-fa "
@@ -608,7 +615,18 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
-    a = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    a = parser.parse_args(argv)
+    text = None
+    if a.measure_text:
+        if not a.measure:
+            parser.error("--measure-text is the text of --measure: give --measure too")
+        try:
+            text = Path(a.measure_text).read_text(errors="replace")
+        except OSError as e:
+            parser.error(f"--measure-text: cannot read {a.measure_text}: {e.strerror}")
+        if not text.strip():
+            parser.error(f"--measure-text: {a.measure_text} has no text to time prompts from")
     req = Request(a.model, ctx=a.ctx, users=a.users, ubatch=a.ubatch, gpu_mem_gib=a.gpu_mem,
                   prompt_tokens=a.prompt_tokens, swap=a.swap, extra_args=a.server_arg, trace=a.trace)
     try:
@@ -623,7 +641,7 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
         plan.rates()  # a trace that cannot be read fails here, not in the middle of the table
         if a.measure:
             print(f"{prog}: starting the planned server to measure it ...", file=sys.stderr, flush=True)
-            plan.measured = measure_rates(plan, a.prompt_tokens)
+            plan.measured = measure_rates(plan, a.prompt_tokens, text=text)
     except (PlanError, FileNotFoundError, ValueError, TraceError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 1

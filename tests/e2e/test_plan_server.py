@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -192,6 +193,7 @@ def test_a_bench_arm_the_plan_completes(tmp_path, tiny_model, budget, subprocess
     # plan_measure: the plan's own measurement of the planned command, at the scenario's prompt and max_tokens
     m = arm["plan"]["measured"]
     assert m["prompt_tokens"] == 32 and m["decode_tokens"] == 8 and m["decode_tps"] > 0 and m["prefill_tps"] > 0
+    assert m["text"] == "given"  # the scenario's prompt text, as the arm's requests
     md = next(out.glob("*-planned.md")).read_text()
     assert "### Plans" in md and f"--moe-cache-slots {SLOTS}" in md
     # and its plots, where matplotlib is installed (the test extra has it)
@@ -216,7 +218,12 @@ def test_the_plan_measures_its_own_command(tiny_model, budget, subprocess_env):
     m = plan["measured"]
     assert plan["slots"] == SLOTS and m["prompt_tokens"] == 128 and m["decode_tokens"] == 64 and m["reps"] == 2
     assert m["prefill_tps"] > 0 and m["decode_tps"] > 0 and len(m["samples"]["decode_tps"]) == 2
-    assert 0.0 < m["hit_rate"] <= 1.0
+    assert 0.0 < m["hit_rate"] <= 1.0 and m["text"] == "bundled"
+    text = Path(__file__).resolve().parents[2] / "benchmarks" / "prompts" / "code" / "heapq.py"
+    r = subprocess.run([*base, "--prompt-tokens", "128", "--measure-text", str(text), "--json"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["measured"]["text"] == "given"
     r = subprocess.run([*base, "--prompt-tokens", "1000"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "do not fit in 256 tokens of context per user" in r.stderr
 

