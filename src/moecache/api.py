@@ -490,9 +490,10 @@ class Model:
             note = "pinned=True is ignored: there is no GPU, so there is no pinned host memory to use"
             self.notes.append(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-        if hugepages and use_mmap and not (pinned and core.have_gpu()):
+        if hugepages and use_mmap and not repack and not (pinned and core.have_gpu()):
             note = ("hugepages=True is ignored: the host-resident weights are a mapping of the file; it applies to "
-                    "the GPU's pinned host memory (pinned=True) or to loaded weights (use_mmap=False)")
+                    "the GPU's pinned host memory (pinned=True), to loaded weights (use_mmap=False) and to repacked "
+                    "ones (repack=True)")
             self.notes.append(note)
             warnings.warn(note, RuntimeWarning, stacklevel=2)
         self._m = core.Model(

@@ -520,6 +520,8 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
         if status != 200:
             raise PlanError(f"--measure: /tokenize answered {status}: {tok}")
         tokens = list(tok["tokens"])
+        if not tokens:
+            raise PlanError("--measure: the text has no tokens to make prompts of")
         while len(tokens) < 2 * n + reps * 97:
             tokens += tokens
         prefill, decode, ubatch = [], [], None

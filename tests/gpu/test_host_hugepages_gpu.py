@@ -36,9 +36,10 @@ def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache, switch):
     args = BASE_ARGS + (CACHE_ARGS if cache else [])
     base, base_st, base_kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "0"})
     if switch == "flag":
-        outs, st, kb, _ = _run(tiny_model, [*args, "--host-hugepages"])
+        outs, st, kb, log = _run(tiny_model, [*args, "--host-hugepages"])
     else:
-        outs, st, kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "1"})
+        outs, st, kb, log = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "1"})
+    assert "using cudaMallocHost" not in log  # the huge-page path ran, no fallback
     for a, b in zip(base, outs):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a, b) == 0.0
