@@ -1632,3 +1632,10 @@ def test_runner_without_the_slot_copy_patch_fails_the_depth_with_the_fix(tmp_pat
     err = capsys.readouterr().err
     assert "(HTTP 400): Invalid action. Fix: the server needs the slot-copy patch 0038; or set depth_fill" in err
     assert _fills(fake_server_bin) == [0, 0]  # it never fell back to prefilling the other slots
+
+
+@pytest.mark.parametrize("path", sorted(SCENARIOS.glob("*.toml")), ids=lambda p: p.stem)
+def test_every_committed_scenario_loads(path):
+    """A scenario kept for a device session must not fail there on a typo: each one parses and checks here."""
+    sc = load_scenario(path)
+    assert sc.name and sc.arms and sum(a.baseline for a in sc.arms) == 1
