@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [cpu-ops] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -220,6 +220,16 @@ while [ $i -lt ${#phases[@]} ]; do
             log "cpu-pages: hugepages=$huge ${variant#* }: at most $(cat /tmp/cpu-pages-huge) kB AnonHugePages while it ran"
         done
         grep -h "ggml_sched_times" "$out/cpu-pages.err" | tee "$out/cpu-pages-times.log" | tee -a "$out/run.log" || true
+        ;;
+    cpu-ops)
+        # issue 11 goal 2: is the CPU's expert matmul at decode bound by the memory or by its kernel?
+        # test-backend-ops perf of the 30B shape's MUL_MAT_ID (128 experts, 8 used, 768 x 2048, one token)
+        # on the CPU backend (half the cores' threads): its repeated runs read the same 8 experts (7 MB in
+        # Q4_0), which the caches hold, so its GB/s is the kernel's own rate at that thread count
+        ops=$(python3 -c 'from moecache.paths import binary; print(binary("test-backend-ops"))')
+        log "cpu-ops: test-backend-ops perf -b CPU -o MUL_MAT_ID, the 30B shape at one token"
+        "$ops" perf -b CPU -o MUL_MAT_ID -p "n_mats=128,n_used=8,b=0,m=768,n=1,k=2048" 2>&1 \
+            | tee "$out/cpu-ops.log" | grep -E "MUL_MAT_ID|threads" | tee -a "$out/run.log" || failed=1
         ;;
     qsa-ops)
         # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU

@@ -1326,6 +1326,7 @@ def fake_swap_run() -> dict:
         "swap_ms": stats.summarize([310.0, 320.0, 330.0]),
         "server": {"enabled": True, "n_ubatch": 2048, "min_tokens": 2048, "mode": "transaction", "warm_restore": True,
                    "active": False, "n_ubatch_last": 2048, "swaps": 6, "total_ms": 1950.0, "warm_uploads": 4200,
+                   "warm_dropped": 700,
                    "skipped": {"short": 0, "others_generating": 0, "bypass": 0},
                    "failed": {"reserve": 0, "restore": 1, "banks": 0, "upload": 0},
                    "last": {"release_ms": 20.0, "reserve_ms": 15.5, "restore_ms": 290.0, "bytes_released": 12 << 30,
@@ -1357,7 +1358,7 @@ def test_report_shows_the_swap_columns_and_the_ballast():
     rows = [x for x in swap.splitlines() if x.startswith("|")]
     assert rows[0].startswith("| arm | prompt | mode | requests swapped | ubatch | swap ms | server swaps | release ms")
     assert "| fast | `code` 2048 | transaction, warm | 3/3 | 2048 | 320 | 6 | 20.0 | 15.5 | 290 | 12.00 | 11.00 " \
-           "| 4200 | restore 1 | 0 | 91.1% |" in rows
+           "| 4200 (700 dropped) | restore 1 | 0 | 91.1% |" in rows
     assert "| stock | `code` 2048 | off | 0/3 | - | - | 0 |" in swap
     assert len({len(x.strip("|").split("|")) for x in rows}) == 1
 

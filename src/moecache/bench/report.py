@@ -311,7 +311,8 @@ def _swap_lines(run: dict, concurrent: bool) -> list[str]:
         "(`prefill_swap_ms`: release + reserve + restore, median). From the server's `/moe-cache` "
         "(`prefill_swap`), over this row's requests (its TTFT requests included): the swaps, the last swap's "
         "release / reserve / restore ms and the memory it released and restored, the experts the warm "
-        "restore uploaded, the swaps that failed or were skipped (by reason), and the cache's hit rate over "
+        "restore queued (and of them, those the next swap dropped before they were copied), the swaps that "
+        "failed or were skipped (by reason), and the cache's hit rate over "
         "the first 64 decoded tokens after each restore.",
         "",
         "| arm | prompt | " + ("users | " if concurrent else "") + "mode | requests swapped | ubatch | swap ms "
@@ -333,10 +334,16 @@ def _swap_lines(run: dict, concurrent: bool) -> list[str]:
             f"| {_fmt_ms(swap_ms)} | {_fmt_count(srv.get('swaps'))} | {_fmt_ms(last.get('release_ms'))} "
             f"| {_fmt_ms(last.get('reserve_ms'))} | {_fmt_ms(last.get('restore_ms'))} "
             f"| {_fmt_gib(last.get('bytes_released'))} | {_fmt_gib(last.get('bytes_restored'))} "
-            f"| {_fmt_count(srv.get('warm_uploads'))} | {_reasons(srv.get('failed'))} "
+            f"| {_warm_uploads(srv)} | {_reasons(srv.get('failed'))} "
             f"| {_reasons(srv.get('skipped'))} | {_fmt_rate(after.get('hit_rate'))} |")
     lines.append("")
     return lines
+
+
+def _warm_uploads(srv: dict) -> str:
+    """The warm restores' uploads of a row, with those a following swap dropped (patch 0076)."""
+    dropped = srv.get("warm_dropped")
+    return _fmt_count(srv.get("warm_uploads")) + (f" ({dropped} dropped)" if dropped else "")
 
 
 def _length_short(r: dict) -> str:

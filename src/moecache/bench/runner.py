@@ -636,7 +636,7 @@ SWAP_TIMINGS = ("prefill_ubatch", "prefill_swap_ms")
 # /moe-cache's "prefill_swap" object: its settings, its cumulative counters (the groups by reason),
 # the last swap's numbers and the cache's routing over the first decoded tokens after each restore
 SWAP_SETTINGS = ("enabled", "n_ubatch", "min_tokens", "mode", "warm_restore", "active", "n_ubatch_last")
-SWAP_COUNTERS = ("swaps", "total_ms", "warm_uploads")
+SWAP_COUNTERS = ("swaps", "total_ms", "warm_uploads", "warm_dropped")
 SWAP_GROUPS = {"skipped": ("short", "others_generating", "bypass"),
                "failed": ("reserve", "restore", "banks", "upload")}
 SWAP_LAST = ("release_ms", "reserve_ms", "restore_ms", "bytes_released", "bytes_restored", "n_slots")
@@ -690,7 +690,7 @@ def _minus(a, b):
 
 def prefill_swap_delta(before: dict | None, after: dict | None) -> dict | None:
     """The swap's counters between two prefill_swap_summary snapshots (before None: since the start):
-    swaps, total_ms, warm_uploads, each skipped/failed reason and the after-restore tokens, hits and
+    swaps, total_ms, warm_uploads, warm_dropped, each skipped/failed reason and the after-restore tokens, hits and
     misses as differences, the after-restore hit rate of those, the settings as `after` has them, and
     the last swap's numbers only when a swap happened in between (else None: they would be an earlier
     one's)."""
