@@ -311,7 +311,7 @@ static std::shared_ptr<model_handle> load_model(
         use_mmap = false;
     }
     mparams.no_host = gpu && !pinned && !use_mmap;
-    mparams.host_hugepages = hugepages; // the pinned host memory on huge pages: llama-server's --host-hugepages
+    mparams.host_hugepages = hugepages; // host-resident weights (pinned or loaded) on huge pages: --host-hugepages
     if (use_mmap) {
         mparams.load_mode = use_mlock ? LLAMA_LOAD_MODE_MMAP_MLOCK : LLAMA_LOAD_MODE_MMAP;
     } else {
