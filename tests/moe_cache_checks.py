@@ -111,6 +111,15 @@ def assert_options_in_help(help_text: str, table) -> None:
             assert "--no-" + option.flag[2:] in help_text, option.flag
 
 
+def host_context_mib(log: str) -> float:
+    """KV + compute buffers on the CPU before the banks were added, from llama.cpp's load log at -lv 4 (what
+    the context holds on the host test device)."""
+    kv = sum(float(m) for m in re.findall(r"CPU KV buffer size =\s+([0-9.]+) MiB", log))
+    compute = re.findall(r"CPU compute buffer size =\s+([0-9.]+) MiB", log)
+    assert compute, log[-3000:]
+    return kv + float(compute[0])  # the first reservation, made before the banks
+
+
 def logprobs(out):
     return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
 

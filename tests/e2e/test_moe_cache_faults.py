@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
+from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, host_context_mib, logprobs
 from moecache.server import ServerError, ServerProcess
 
 BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
@@ -83,17 +83,6 @@ def test_failed_upload_turns_the_layer_off_and_output_stays(tiny_model, stock, w
     assert_same_greedy(stock, outs, exact=False)
 
 
-def _context_mib(log: str) -> float:
-    """KV + compute buffers on the CPU before the banks were added, from llama.cpp's load log (what the
-    context holds on the host test device)."""
-    import re
-
-    kv = sum(float(m) for m in re.findall(r"CPU KV buffer size =\s+([0-9.]+) MiB", log))
-    compute = re.findall(r"CPU compute buffer size =\s+([0-9.]+) MiB", log)
-    assert compute, log[-3000:]
-    return kv + float(compute[0])  # the first reservation, made before the banks
-
-
 def _serve(tiny_model, ubatch: str, env: dict) -> tuple[dict, str]:
     args = BASE_ARGS + ["-ub", ubatch, "-b", "1024", "--moe-cache-slots", str(N_EXPERT), "--moe-cache-headroom", "0",
                         "--fit", "off", "-lv", "4"]  # -lv 4: the buffer sizes are in the log
@@ -111,13 +100,13 @@ def test_banks_are_sized_after_the_compute_buffers(tiny_model):
     reserve, before the compute buffers were known: both got the same."""
     st, log = _serve(tiny_model, "1024", HOST)
     slot_mib = st["total"]["bytes_vram"] / st["n_slots"] / 2**20
-    device_mib = _context_mib(log) + 3.5 * slot_mib
+    device_mib = host_context_mib(log) + 3.5 * slot_mib
     env = {**HOST, "LLAMA_MOE_CACHE_HOST_DEVICE_MIB": f"{device_mib:.4f}"}
     got = {ub: _serve(tiny_model, ub, env) for ub in ("8", "1024")}
     slots = {ub: (s["n_slots"] if s["enabled"] else 0) for ub, (s, _) in got.items()}
     assert slots == {"8": N_EXPERT, "1024": 3}, (slots, device_mib, slot_mib)
     for ub, (s, log) in got.items():
-        assert s["total"]["bytes_vram"] / 2**20 + _context_mib(log) <= device_mib + 0.01, ub
+        assert s["total"]["bytes_vram"] / 2**20 + host_context_mib(log) <= device_mib + 0.01, ub
     assert "slots per layer need" in got["1024"][1]  # the clamp says what it did
 
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from moe_cache_checks import N_EXPERT, cache_stats, complete, logprobs, server_help
+from moe_cache_checks import N_EXPERT, cache_stats, complete, host_context_mib, logprobs, server_help
 
 from moecache.server import ServerError, ServerProcess
 
@@ -367,3 +367,42 @@ def test_a_prompt_right_after_a_restore_drops_the_warm_uploads_not_yet_made(tiny
     assert first["tokens"] == stock_big[0]["tokens"][:1]
     assert second["tokens"] == stock_big[0]["tokens"]
     assert status == 200 and "llamacpp:prefill_swap_warm_dropped_total" in metrics
+
+
+def _restore_after_taken(tiny_model, device_slots: float, taken_mib: float, slot_mib: float, ctx_mib: float):
+    """A server on a host test device that holds its context, a 1 MiB headroom and `device_slots` slots,
+    which loses `taken_mib` after its first allocation (as a GPU whose pool grows at its first large
+    batch): the slots at the start, the swap's stats after one long prompt, and the device's size."""
+    device_mib = ctx_mib + 1.0 + device_slots * slot_mib
+    env = {**HOST, "LLAMA_MOE_CACHE_HOST_DEVICE_MIB": f"{device_mib:.6f}",
+           "LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB": f"{taken_mib:.6f}"}
+    args = BASE_ARGS + SWAP + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-headroom", "1", "--fit", "off"]
+    with ServerProcess(tiny_model, args=args, env=env, timeout=120) as srv:
+        start = cache_stats(srv)["n_slots"]
+        complete(srv, LONG, n_predict=4)
+        st = swap_stats(srv)
+    return start, st, device_mib
+
+
+def test_a_restore_counts_what_was_taken_since_the_start_against_the_headroom(tiny_model):
+    """The headroom is kept free for what the backends allocate at their first large batches (on CUDA the
+    memory pool grows at the first prompt of the prefill ubatch). A restore used to ask for the whole
+    headroom again on top of what those took, and came back with fewer slots than the start (on the H200:
+    79 of 80). It now counts what the device lost since the start against the headroom, down to half of it."""
+    args = BASE_ARGS + SWAP + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-headroom", "0", "--fit", "off",
+                               "-lv", "4"]  # -lv 4: the buffer sizes are in the log
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        st = cache_stats(srv)
+        ctx_mib = host_context_mib(srv.log_text())
+    slot_mib = st["total"]["bytes_vram"] / st["n_slots"] / 2**20
+
+    # three and a half slots: less than one slot taken (but more than the half slot to spare) within the headroom
+    start, st, _ = _restore_after_taken(tiny_model, 3.5, 0.75 * slot_mib, slot_mib, ctx_mib)
+    assert start == 3 and st["swaps"] == 1 and not any(st["failed"].values()), st
+    assert st["last"]["n_slots"] == start, st
+
+    # more taken than half the headroom: the restore still keeps half of it free, with fewer slots
+    start, st, device_mib = _restore_after_taken(tiny_model, 13.5, 1.0, slot_mib, ctx_mib)
+    assert start == 13 and st["swaps"] == 1 and not any(st["failed"].values()), st
+    assert 0 < st["last"]["n_slots"] < start, st
+    assert device_mib - ctx_mib - 1.0 - st["last"]["n_slots"] * slot_mib >= 0.5 - 1e-6, st
