@@ -72,7 +72,9 @@ def test_groups_form_and_every_request_keeps_its_solo_tokens(models, rpc_servers
 def test_a_prompt_arriving_drains_the_groups(tiny_model):
     """Two long sessions decode in groups; a third request arrives meanwhile: its prompt drains the groups
     (upstream's step takes it beside the decoders), and once it generates too the groups form again."""
-    reqs = [(PROMPTS[i % len(PROMPTS)] * (i + 2), n, i) for i, n in enumerate([60, 60, 20])]
+    # the first two long enough that they still decode together when the second one's request comes late on a
+    # loaded machine (with 60 each the groups once never formed in CI)
+    reqs = [(PROMPTS[i % len(PROMPTS)] * (i + 2), n, i) for i, n in enumerate([200, 200, 20])]
     with ServerProcess(tiny_model, args=slot_server_args(N_SLOTS, "--decode-groups", "2"), timeout=180) as srv:
         solo = [complete(srv, p, n_predict=n, id_slot=s) for p, n, s in reqs]
         with ThreadPoolExecutor(3) as pool:
