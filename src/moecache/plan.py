@@ -491,11 +491,14 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
 
 
 def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: int = 64, reps: int = 2,
-                  env: Mapping[str, str] | None = None, timeout: float = 900.0, text: str | None = None) -> dict:
+                  env: Mapping[str, str] | None = None, timeout: float = 900.0, text: str | None = None,
+                  repeated_reps: int = 0) -> dict:
     """Start the planned server and time it: a warm-up, then `reps` requests of `prompt_tokens` tokens of real
     text (a new slice each, no prompt cache) and `decode_tokens` decoded tokens; the medians of the server's
     own timings, with the cache's hit rate over them. What the plan's command gives on this machine. `text`:
-    the text to slice (yours: the routing, so the hit rate, follows it); by default the bundled texts."""
+    the text to slice (yours: the routing, so the hit rate, follows it); by default the bundled texts.
+    `repeated_reps`: then as many requests of the warm-up's prompt again (a benchmark's protocol: the same
+    prompt each repetition), whose medians go under "repeated"."""
     import statistics
 
     from .server import ServerError, ServerProcess
@@ -541,16 +544,29 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
             decode.append(float(t["predicted_per_second"]))
             ubatch = t.get("prefill_ubatch") or ubatch
         after = _cache_counts(srv)
+        repeated: dict[str, list[float]] = {"prefill_tps": [], "decode_tps": []}
+        for _ in range(repeated_reps):
+            body = {"prompt": tokens[:n], "n_predict": decode_tokens, "temperature": 0.0, "ignore_eos": True,
+                    "cache_prompt": False}
+            status, out = srv.post("/completion", body, timeout=timeout)
+            if status != 200:
+                raise PlanError(f"--measure: /completion answered {status}: {out}")
+            repeated["prefill_tps"].append(float(out["timings"]["prompt_per_second"]))
+            repeated["decode_tps"].append(float(out["timings"]["predicted_per_second"]))
     finally:
         srv.stop()
         srv.cleanup()
     hit = None
     if before and after and after[0] + after[1] > before[0] + before[1]:
         hit = (after[0] - before[0]) / ((after[0] - before[0]) + (after[1] - before[1]))
-    return {"prefill_tps": statistics.median(prefill), "decode_tps": statistics.median(decode), "reps": reps,
+    result = {"prefill_tps": statistics.median(prefill), "decode_tps": statistics.median(decode), "reps": reps,
             "prompt_tokens": n, "decode_tokens": decode_tokens, "hit_rate": hit, "prefill_ubatch": ubatch,
             "text": "given" if given else "bundled",
             "samples": {"prefill_tps": prefill, "decode_tps": decode}}
+    if repeated_reps:
+        result["repeated"] = {"prefill_tps": statistics.median(repeated["prefill_tps"]),
+                              "decode_tps": statistics.median(repeated["decode_tps"]), "samples": repeated}
+    return result
 
 
 def _cache_counts(srv) -> tuple[int, int] | None:

@@ -194,8 +194,11 @@ def test_a_bench_arm_the_plan_completes(tmp_path, tiny_model, budget, subprocess
     m = arm["plan"]["measured"]
     assert m["prompt_tokens"] == 32 and m["decode_tokens"] == 8 and m["decode_tps"] > 0 and m["prefill_tps"] > 0
     assert m["text"] == "given"  # the scenario's prompt text, as the arm's requests
+    # and the arm's own protocol (its first prompt again each time), beside it in the report
+    assert len(m["repeated"]["samples"]["decode_tps"]) == 2 and m["repeated"]["decode_tps"] > 0
     md = next(out.glob("*-planned.md")).read_text()
     assert "### Plans" in md and f"--moe-cache-slots {SLOTS}" in md
+    assert "timed the arm's protocol too" in md
     # and its plots, where matplotlib is installed (the test extra has it)
     pytest.importorskip("matplotlib")
     assert sorted(p.rsplit("-planned-", 1)[1] for p in data["plots"]) == ["hit-rate.png", "rates.png"]

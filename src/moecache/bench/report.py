@@ -263,6 +263,17 @@ def _plan_lines(run: dict) -> list[str]:
         lines.append(f"| {_md_cell(a['name'])} | `{_md_cell(' '.join(p.get('added') or []))}` | {_md_cell(devs)} | "
                      f"{num(dec_b)} / {num(dec_m)} / {num(dec)} | {ratio(dec, dec_b)} | {ratio(dec, dec_m)} | "
                      f"{num(pre_b)} / {num(pre_m)} / {num(pre)} | {ratio(pre, pre_b)} | {ratio(pre, pre_m)} |")
+    again = []
+    for a in arms:
+        rep = (a["plan"].get("measured") or {}).get("repeated")
+        if rep:
+            rows = [r for r in run["results"] if r.get("arm") == a["name"] and not r.get("error")]
+            dec, pre = _median_of(rows, "decode_tps"), _median_of(rows, "prefill_tps")
+            again.append(f"{a['name']}: decode {num(rep['decode_tps'])} (run / it {ratio(dec, rep['decode_tps'])}), "
+                         f"prefill {num(rep['prefill_tps'])} (run / it {ratio(pre, rep['prefill_tps'])})")
+    if again:
+        lines += ["", "The same `--measure` server then timed the arm's protocol too, its first prompt again for "
+                      "each request (medians): " + "; ".join(again) + "."]
     bw = next((a["plan"]["rates"]["bandwidth"] for a in arms if a["plan"].get("rates")), None)
     if bw:
         lines += ["", f"Bandwidths the plans measured: host read {bw['host_read'] / 1e9:.1f} GB/s, GPU memory "

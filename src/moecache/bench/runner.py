@@ -792,8 +792,10 @@ def plan_measure_args(sc: Scenario, cases) -> dict:
     set's text (the arm's routing, so its hit rate, follows the text)."""
     lengths = [(ps, n) for ps, n, _ in cases if n]
     ps = lengths[0][0] if lengths else (cases[0][0] if cases else None)
+    # repeated_reps: the arm's own protocol too (one prompt, again each repetition), to tell a difference of
+    # protocol from one of the server
     return {"prompt_tokens": lengths[0][1] if lengths else None, "decode_tokens": sc.max_tokens,
-            "text": PromptTokens.text(ps) if ps is not None else None}
+            "text": PromptTokens.text(ps) if ps is not None else None, "repeated_reps": 2}
 
 
 def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str], measure: dict | None = None) -> None:
