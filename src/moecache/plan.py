@@ -563,7 +563,7 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
             "prompt_tokens": n, "decode_tokens": decode_tokens, "hit_rate": hit, "prefill_ubatch": ubatch,
             "text": "given" if given else "bundled",
             "samples": {"prefill_tps": prefill, "decode_tps": decode}}
-    if repeated_reps:
+    if repeated_reps > 0:
         result["repeated"] = {"prefill_tps": statistics.median(repeated["prefill_tps"]),
                               "decode_tps": statistics.median(repeated["decode_tps"]), "samples": repeated}
     return result

@@ -371,8 +371,8 @@ def test_a_prompt_right_after_a_restore_drops_the_warm_uploads_not_yet_made(tiny
 
 def _restore_after_taken(tiny_model, device_slots: float, taken_mib: float, slot_mib: float, ctx_mib: float):
     """A server on a host test device that holds its context, a 1 MiB headroom and `device_slots` slots,
-    which loses `taken_mib` after its first allocation (as a GPU whose pool grows at its first large
-    batch): the slots at the start, the swap's stats after one long prompt, and the device's size."""
+    which loses `taken_mib` after its first allocation (as a GPU that keeps what its first long prompt
+    loaded): the slots at the start, the swap's stats after one long prompt, and the device's size."""
     device_mib = ctx_mib + 1.0 + device_slots * slot_mib
     env = {**HOST, "LLAMA_MOE_CACHE_HOST_DEVICE_MIB": f"{device_mib:.6f}",
            "LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB": f"{taken_mib:.6f}"}
@@ -385,8 +385,8 @@ def _restore_after_taken(tiny_model, device_slots: float, taken_mib: float, slot
 
 
 def test_a_restore_counts_what_was_taken_since_the_start_against_the_headroom(tiny_model):
-    """The headroom is kept free for what the backends allocate at their first large batches (on CUDA the
-    memory pool grows at the first prompt of the prefill ubatch). A restore used to ask for the whole
+    """The headroom is kept free for what the backends allocate on first use and keep (CUDA loads the kernels
+    of the first prompt at the prefill ubatch, cuBLAS makes its workspace). A restore used to ask for the whole
     headroom again on top of what those took, and came back with fewer slots than the start (on the H200:
     79 of 80). It now counts what the device lost since the start against the headroom, down to half of it."""
     args = BASE_ARGS + SWAP + ["--moe-cache-slots", str(N_EXPERT), "--moe-cache-headroom", "0", "--fit", "off",

@@ -265,15 +265,18 @@ def _plan_lines(run: dict) -> list[str]:
                      f"{num(pre_b)} / {num(pre_m)} / {num(pre)} | {ratio(pre, pre_b)} | {ratio(pre, pre_m)} |")
     again = []
     for a in arms:
-        rep = (a["plan"].get("measured") or {}).get("repeated")
-        if rep:
-            rows = [r for r in run["results"] if r.get("arm") == a["name"] and not r.get("error")]
+        rep = (a["plan"].get("measured") or {}).get("repeated") or {}
+        if rep.get("decode_tps") or rep.get("prefill_tps"):
+            # one request at a time, as --measure sends them: the arm's one-user rows
+            rows = [r for r in run["results"] if r.get("arm") == a["name"] and not r.get("error")
+                    and (r.get("users") or 1) == 1]
             dec, pre = _median_of(rows, "decode_tps"), _median_of(rows, "prefill_tps")
-            again.append(f"{a['name']}: decode {num(rep['decode_tps'])} (run / it {ratio(dec, rep['decode_tps'])}), "
-                         f"prefill {num(rep['prefill_tps'])} (run / it {ratio(pre, rep['prefill_tps'])})")
+            again.append(f"{a['name']}: decode {num(rep.get('decode_tps'))} (run / it "
+                         f"{ratio(dec, rep.get('decode_tps'))}), prefill {num(rep.get('prefill_tps'))} (run / it "
+                         f"{ratio(pre, rep.get('prefill_tps'))})")
     if again:
         lines += ["", "The same `--measure` server then timed the arm's protocol too, its first prompt again for "
-                      "each request (medians): " + "; ".join(again) + "."]
+                      "each request (medians; run: the arm's rows of one user at a time): " + "; ".join(again) + "."]
     bw = next((a["plan"]["rates"]["bandwidth"] for a in arms if a["plan"].get("rates")), None)
     if bw:
         lines += ["", f"Bandwidths the plans measured: host read {bw['host_read'] / 1e9:.1f} GB/s, GPU memory "
