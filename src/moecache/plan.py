@@ -527,32 +527,31 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
             raise PlanError("--measure: the text has no tokens to make prompts of")
         while len(tokens) < 2 * n + reps * 97:
             tokens += tokens
+        def timings(prompt: list[int]) -> dict:
+            body = {"prompt": prompt, "n_predict": decode_tokens, "temperature": 0.0, "ignore_eos": True,
+                    "cache_prompt": False}
+            status, out = srv.post("/completion", body, timeout=timeout)
+            if status != 200:
+                raise PlanError(f"--measure: /completion answered {status}: {out}")
+            return out["timings"]
+
         prefill, decode, ubatch = [], [], None
         before = after = None
         for i in range(reps + 1):  # the first is a warm-up
             if i == 1:
                 before = _cache_counts(srv)
-            body = {"prompt": tokens[i * 97:i * 97 + n], "n_predict": decode_tokens, "temperature": 0.0,
-                    "ignore_eos": True, "cache_prompt": False}
-            status, out = srv.post("/completion", body, timeout=timeout)
-            if status != 200:
-                raise PlanError(f"--measure: /completion answered {status}: {out}")
+            t = timings(tokens[i * 97:i * 97 + n])
             if i == 0:
                 continue
-            t = out["timings"]
             prefill.append(float(t["prompt_per_second"]))
             decode.append(float(t["predicted_per_second"]))
             ubatch = t.get("prefill_ubatch") or ubatch
         after = _cache_counts(srv)
         repeated: dict[str, list[float]] = {"prefill_tps": [], "decode_tps": []}
         for _ in range(repeated_reps):
-            body = {"prompt": tokens[:n], "n_predict": decode_tokens, "temperature": 0.0, "ignore_eos": True,
-                    "cache_prompt": False}
-            status, out = srv.post("/completion", body, timeout=timeout)
-            if status != 200:
-                raise PlanError(f"--measure: /completion answered {status}: {out}")
-            repeated["prefill_tps"].append(float(out["timings"]["prompt_per_second"]))
-            repeated["decode_tps"].append(float(out["timings"]["predicted_per_second"]))
+            t = timings(tokens[:n])
+            repeated["prefill_tps"].append(float(t["prompt_per_second"]))
+            repeated["decode_tps"].append(float(t["predicted_per_second"]))
     finally:
         srv.stop()
         srv.cleanup()
