@@ -406,3 +406,17 @@ def test_a_restore_counts_what_was_taken_since_the_start_against_the_headroom(ti
     assert start == 13 and st["swaps"] == 1 and not any(st["failed"].values()), st
     assert 0 < st["last"]["n_slots"] < start, st
     assert device_mib - ctx_mib - 1.0 - st["last"]["n_slots"] * slot_mib >= 0.5 - 1e-6, st
+
+
+def test_a_copy_finished_at_a_swap_is_published_and_counted(tiny_model):
+    """Each upload takes 400 ms: the second long prompt's swap waits for the first restore's copy in progress.
+    That copy is made, so the release publishes it (counted in the cache's uploads) before it unpublishes
+    every slot; it used to be thrown away uncounted. The second request decodes 2 tokens, too few for any of
+    its own restore's copies to finish: the one upload counted is that copy."""
+    env = {**HOST, "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "400"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        complete(srv, LONG, n_predict=1)
+        complete(srv, LONG, n_predict=2)
+        cache = cache_stats(srv)
+    assert cache["prefill_swap"]["swaps"] == 2 and cache["prefill_swap"]["warm_dropped"] >= 8, cache["prefill_swap"]
+    assert cache["total"]["uploads"] >= 1, cache["total"]
