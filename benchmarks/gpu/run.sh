@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [cpu-ops] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
-#   QSA_OPS_ARGS, CPU_DECODE_ARGS, REPRO_ARGS: the flags of those phases' tools)
+#   QSA_OPS_ARGS, CPU_DECODE_ARGS, CPU_MMID_ARGS, REPRO_ARGS: the flags of those phases' tools)
 #
 # For a device call: MODEL_AHEAD=SCENARIO.toml[,SCENARIO.toml] makes those scenarios' synthetic models in the background
 # from the first second (beside the build; the bench phase waits for it), and PACK_TO=DIR packs the
@@ -231,6 +231,25 @@ while [ $i -lt ${#phases[@]} ]; do
         "$ops" perf -b CPU -o MUL_MAT_ID -p "n_mats=128,n_used=8,b=0,m=768,n=1,k=2048" 2>&1 \
             | tee "$out/cpu-ops.log" | grep -E "MUL_MAT_ID|threads" | tee -a "$out/run.log" || failed=1
         ;;
+    cpu-mmid)
+        # issue 11 goal 2: the CPU's part of an all-CPU-experts decode step of the 30B shape, taken apart
+        # (benchmarks/native/bench_cpu_mmid.cpp): the three MUL_MAT_IDs of 48 layers streaming random
+        # experts from DRAM in one graph (the kernels' rate) and one graph per layer with the GPU's part as
+        # idle time between (what the hand-overs add), each with stock pages, huge pages and patch 0077's
+        # flat split (CPU_MMID_ARGS: the tool's flags)
+        mb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-cpu-mmid"))')
+        margs=${CPU_MMID_ARGS:-"-t 8,16 -n 32"}
+        : > "$out/cpu-mmid.jsonl"
+        for variant in "0|" "0|--hugepages" "1|--hugepages"; do  # GGML_CPU_MMID_FLAT|flags
+            flat=${variant%%|*} flags=${variant#*|}
+            log "cpu-mmid: GGML_CPU_MMID_FLAT=$flat $flags $margs"
+            # shellcheck disable=SC2086 # the flags are word lists
+            GGML_CPU_MMID_FLAT=$flat "$mb" $margs $flags \
+                2>> "$out/cpu-mmid.err" | tee -a "$out/cpu-mmid.jsonl" \
+                | python3 -c 'import json, sys; [print("cpu-mmid: %(mode)s t=%(threads)d huge=%(hugepages)d flat=%(mmid_flat)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
+                | tee -a "$out/run.log" || { tail -20 "$out/cpu-mmid.err"; failed=1; }
+        done
+        ;;
     qsa-ops)
         # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
         # (benchmarks/native/bench_qsa_indexer.cpp; QSA_OPS_ARGS: its flags)
@@ -282,7 +301,7 @@ while [ $i -lt ${#phases[@]} ]; do
             python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, qsa-ops, plan, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, qsa-ops, plan, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi

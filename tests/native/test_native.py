@@ -65,6 +65,38 @@ def test_the_qsa_indexer_bench_names_a_bad_argument():
     assert r.returncode == 2 and "no device named 'NoSuchDevice'" in r.stderr
 
 
+def test_the_cpu_mmid_bench_reports_both_modes(tmp_path):
+    """benchmarks/native/bench_cpu_mmid.cpp (issue 11): one JSON line per mode and thread count, a positive
+    time per token and the expert bytes a token reads (a small shape here: 2 layers, 16 experts, 2 used),
+    with and without the huge-page switch and patch 0077's flat split (the device phase runs the 30B shape)."""
+    import json
+    import os
+
+    exe = binary("bench-cpu-mmid")
+    args = [str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "64", "-d", "256", "-n", "3", "-t", "1,2", "--gap-us", "10"]
+    rows = []
+    for flat, extra in (("0", []), ("1", ["--hugepages"])):
+        r = subprocess.run(args + extra, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "GGML_CPU_MMID_FLAT": flat})
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows += [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert {(r["mode"], r["threads"], r["hugepages"], r["mmid_flat"]) for r in rows} == {
+        (m, t, h, h) for m in ("graph", "split") for t in (1, 2) for h in (0, 1)}
+    # 2 layers x 2 experts x 3 matrices of 64 x 256 Q4_0 (18 bytes per 32 weights)
+    assert all(abs(r["gb_per_token"] - 2 * 2 * 3 * 64 * 256 / 32 * 18 / 1e9) < 1e-6 for r in rows), rows
+    assert all(r["ms_per_token"] > 0 and r["ms_min"] <= r["ms_per_token"] and r["gb_s"] > 0 for r in rows), rows
+
+
+def test_the_cpu_mmid_bench_names_a_bad_argument():
+    exe = binary("bench-cpu-mmid")
+    r = subprocess.run([str(exe), "-t", "4,x"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not a list of positive integers" in r.stderr
+    r = subprocess.run([str(exe), "-m", "graph,fast"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "'fast' is not a mode" in r.stderr
+    r = subprocess.run([str(exe), "-u", "9", "-e", "8"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "n_used <= n_expert" in r.stderr
+
+
 def _dynamic_symbols(path) -> tuple[set[str], str]:
     """(defined dynamic symbols, the dynamic section) of a shared object, read with binutils."""
     nm = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)

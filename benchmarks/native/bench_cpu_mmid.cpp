@@ -1,0 +1,283 @@
+// The CPU's expert reads at decode (issue 11, goal 2): where the time of the CPU's part of a decode step
+// goes when every routed expert is in host memory. One token per step; each of L layers runs the MoE
+// FFN's three MUL_MAT_IDs (gate, up, down) over n_used experts drawn at random anew for every token (so
+// the weights stream from DRAM, as in a real decode), on the CPU backend with a threadpool as llama.cpp
+// attaches one (poll 50). Modes:
+//   graph  all layers in one graph: the kernels' streaming rate, without the per-layer hand-overs
+//   split  one graph per layer, computed one after the other with --gap-us of idle time between them
+//          (the GPU's part of a layer in a real decode, while the CPU's threads poll and then sleep):
+//          what the hand-overs add; only the graphs' own compute time counts
+// Random Q4_0 weights (a small fixed scale, random quants): the time does not depend on the values.
+// One JSON line per (mode, threads):
+//   {"mode": "...", "threads": T, "layers": L, "tokens": N, "ms_per_token": median, "ms_min": ...,
+//    "gb_per_token": expert bytes read, "gb_s": at the median, "hugepages": 0|1, "mmid_flat": 0|1}
+// GGML_CPU_MMID_FLAT=1 (patch 0077) applies as in the server; --hugepages asks the CPU buffer for
+// transparent huge pages (patch 0075's switch).
+//
+//   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
+//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--seed S]
+//   (defaults: the Qwen3-30B-A3B shape: 48 layers, 128 experts, 8 used, 768 x 2048; 32 tokens; the
+//   machine's hardware threads; both modes; a gap of 60 us)
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+static std::vector<int64_t> parse_list(const char * s, const char * what) {
+    std::vector<int64_t> out;
+    for (const char * p = s; *p;) {
+        char * end = nullptr;
+        const long long v = strtoll(p, &end, 10);
+        if (end == p || v <= 0) {
+            fprintf(stderr, "bench-cpu-mmid: %s: '%s' is not a list of positive integers\n", what, s);
+            exit(2);
+        }
+        out.push_back(v);
+        p = *end == ',' ? end + 1 : end;
+    }
+    return out;
+}
+
+static int64_t parse_positive(const char * s, const char * what) {
+    const std::vector<int64_t> v = parse_list(s, what);
+    if (v.size() != 1) {
+        fprintf(stderr, "bench-cpu-mmid: %s takes one positive integer, not '%s'\n", what, s);
+        exit(2);
+    }
+    return v[0];
+}
+
+// Q4_0 blocks with the scale 1/64 and random quants, written straight into the tensor (a CPU buffer),
+// a part of the tensors per hardware thread
+static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed) {
+    const ggml_fp16_t scale = ggml_fp32_to_fp16(1.0f/64.0f);
+    const size_t block = ggml_type_size(GGML_TYPE_Q4_0);
+    const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> workers;
+    for (unsigned w = 0; w < n_threads; ++w) {
+        workers.emplace_back([&, w] {
+            for (size_t i = w; i < tensors.size(); i += n_threads) {
+                uint8_t * p = (uint8_t *) tensors[i]->data;
+                const size_t n_blocks = ggml_nbytes(tensors[i]) / block;
+                uint64_t x = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+                for (size_t b = 0; b < n_blocks; ++b, p += block) {
+                    memcpy(p, &scale, sizeof(scale));
+                    for (size_t q = sizeof(scale); q < block; q += 8) {
+                        x ^= x << 13; x ^= x >> 7; x ^= x << 17; // xorshift64
+                        memcpy(p + q, &x, std::min<size_t>(8, block - q));
+                    }
+                }
+            }
+        });
+    }
+    for (auto & t : workers) {
+        t.join();
+    }
+}
+
+int main(int argc, char ** argv) {
+    int64_t n_layer = 48, n_tokens = 32, n_expert = 128, n_used = 8, n_ff = 768, n_embd = 2048, gap_us = 60;
+    uint64_t seed = 1;
+    bool hugepages = false;
+    std::vector<int64_t> threads = { (int64_t) std::max(1u, std::thread::hardware_concurrency()) };
+    std::vector<std::string> modes = { "graph", "split" };
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        const char * v = i + 1 < argc ? argv[i + 1] : nullptr;
+        auto need = [&]() { if (!v) { fprintf(stderr, "bench-cpu-mmid: %s needs a value\n", a.c_str()); exit(2); } ++i; return v; };
+        if (a == "-l") { n_layer = parse_positive(need(), "-l"); }
+        else if (a == "-t") { threads = parse_list(need(), "-t"); }
+        else if (a == "-n") { n_tokens = parse_positive(need(), "-n"); }
+        else if (a == "-e") { n_expert = parse_positive(need(), "-e"); }
+        else if (a == "-u") { n_used = parse_positive(need(), "-u"); }
+        else if (a == "-f") { n_ff = parse_positive(need(), "-f"); }
+        else if (a == "-d") { n_embd = parse_positive(need(), "-d"); }
+        else if (a == "--gap-us") { gap_us = atoll(need()); }
+        else if (a == "--seed") { seed = (uint64_t) atoll(need()); }
+        else if (a == "--hugepages") { hugepages = true; }
+        else if (a == "-m") {
+            modes.clear();
+            std::string s = need();
+            for (size_t p = 0; p <= s.size();) {
+                const size_t q = std::min(s.find(',', p), s.size());
+                modes.push_back(s.substr(p, q - p));
+                if (modes.back() != "graph" && modes.back() != "split") {
+                    fprintf(stderr, "bench-cpu-mmid: -m: '%s' is not a mode (graph, split)\n", modes.back().c_str());
+                    return 2;
+                }
+                p = q + 1;
+            }
+        } else {
+            fprintf(stderr, "usage: bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]\n"
+                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--seed S]\n");
+            return a == "-h" || a == "--help" ? 0 : 2;
+        }
+    }
+    if (n_used > n_expert || n_embd % 32 != 0 || n_ff % 32 != 0 || gap_us < 0) {
+        fprintf(stderr, "bench-cpu-mmid: need n_used <= n_expert, N_EMBD and N_FF multiples of 32, a gap >= 0\n");
+        return 2;
+    }
+
+    ggml_backend_load_all();
+    ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+    ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
+    ggml_backend_t backend = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+    auto * tp_new  = reg ? (decltype(ggml_threadpool_new) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new") : nullptr;
+    auto * tp_free = reg ? (decltype(ggml_threadpool_free) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_free") : nullptr;
+    auto * tp_set  = reg ? (decltype(ggml_backend_cpu_set_threadpool) *) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_threadpool") : nullptr;
+    auto * set_n_threads = reg ? (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads") : nullptr;
+    if (!backend || !tp_new || !tp_free || !tp_set || !set_n_threads) {
+        fprintf(stderr, "bench-cpu-mmid: no CPU backend with threadpools\n");
+        return 1;
+    }
+    if (hugepages) {
+        auto * set_huge = (ggml_backend_set_host_hugepages_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_host_hugepages");
+        if (!set_huge) {
+            fprintf(stderr, "bench-cpu-mmid: --hugepages: this build's CPU backend has no huge-page switch\n");
+            return 1;
+        }
+        set_huge(1);
+    }
+    const char * flat_env = getenv("GGML_CPU_MMID_FLAT");
+    const int mmid_flat = flat_env && atoi(flat_env) != 0;
+
+    // the weights: gate and up [n_embd, n_ff, n_expert], down [n_ff, n_embd, n_expert] per layer
+    ggml_init_params wp = { (size_t) (3*n_layer + 1)*ggml_tensor_overhead(), nullptr, true };
+    ggml_context * wctx = ggml_init(wp);
+    std::vector<ggml_tensor *> gate(n_layer), up(n_layer), down(n_layer), all;
+    for (int64_t il = 0; il < n_layer; ++il) {
+        gate[il] = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_embd, n_ff, n_expert);
+        up[il]   = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_embd, n_ff, n_expert);
+        down[il] = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_ff, n_embd, n_expert);
+        all.insert(all.end(), { gate[il], up[il], down[il] });
+    }
+    ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, ggml_backend_dev_buffer_type(dev));
+    if (!wbuf) {
+        fprintf(stderr, "bench-cpu-mmid: cannot allocate %.2f GiB of weights (lower -l)\n",
+            (double) n_layer*3*ggml_nbytes(gate[0])/(1u << 30));
+        return 1;
+    }
+    fill_q4_0(all, seed);
+    // the bytes a token reads: n_used experts' rows of the three matrices in every layer
+    const double gb_per_token = (double) n_layer*n_used*3*(ggml_nbytes(gate[0])/n_expert)/1e9;
+
+    // the token's inputs: its hidden state and each layer's experts
+    ggml_init_params ip = { 4*ggml_tensor_overhead(), nullptr, true };
+    ggml_context * ictx = ggml_init(ip);
+    ggml_tensor * x   = ggml_new_tensor_3d(ictx, GGML_TYPE_F32, n_embd, 1, 1);
+    ggml_tensor * ids = ggml_new_tensor_2d(ictx, GGML_TYPE_I32, n_used, n_layer);
+    ggml_backend_buffer_t ibuf = ggml_backend_alloc_ctx_tensors(ictx, backend);
+    std::vector<float> xv(n_embd);
+    std::mt19937_64 rng(seed);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (float & v : xv) {
+        v = u(rng);
+    }
+    ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
+    std::vector<int32_t> experts(n_expert);
+    std::iota(experts.begin(), experts.end(), 0);
+    auto route = [&]() { // n_used distinct experts per layer, anew for every token
+        int32_t * p = (int32_t *) ids->data;
+        for (int64_t il = 0; il < n_layer; ++il) {
+            for (int64_t k = 0; k < n_used; ++k) {
+                std::swap(experts[k], experts[k + rng() % (n_expert - k)]);
+            }
+            memcpy(p + il*n_used, experts.data(), n_used*sizeof(int32_t));
+        }
+    };
+
+    // one graph per layer group: [first, last) layers; the MoE FFN of each with its own ids row
+    const size_t graph_mem = ggml_tensor_overhead()*(8*n_layer + 16) + ggml_graph_overhead_custom(8*n_layer + 16, false);
+    auto build = [&](ggml_context * ctx, int64_t first, int64_t last) {
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx, 8*n_layer + 16, false);
+        for (int64_t il = first; il < last; ++il) {
+            ggml_tensor * sel = ggml_view_2d(ctx, ids, n_used, 1, ids->nb[1], il*ids->nb[1]);
+            ggml_tensor * g = ggml_mul_mat_id(ctx, gate[il], x, sel);   // [n_ff, n_used, 1]
+            ggml_tensor * v = ggml_mul_mat_id(ctx, up[il], x, sel);
+            ggml_tensor * h = ggml_swiglu_split(ctx, g, v);
+            ggml_build_forward_expand(gf, ggml_mul_mat_id(ctx, down[il], h, sel)); // [n_embd, n_used, 1]
+        }
+        return gf;
+    };
+
+    for (int64_t nt : threads) {
+        ggml_threadpool_params tpp;
+        ggml_threadpool_params_init(&tpp, (int) nt); // poll 50, as llama.cpp's default
+        ggml_threadpool_t tp = tp_new(&tpp);
+        if (!tp) {
+            fprintf(stderr, "bench-cpu-mmid: cannot start a threadpool of %lld threads\n", (long long) nt);
+            return 1;
+        }
+        set_n_threads(backend, (int) nt); // the graph's plan and the pool agree, as llama.cpp sets them
+        tp_set(backend, tp);
+        for (const std::string & mode : modes) {
+            const int64_t per_graph = mode == "graph" ? n_layer : 1;
+            std::vector<ggml_context *> ctxs;
+            std::vector<ggml_cgraph *> graphs;
+            std::vector<ggml_gallocr_t> allocs;
+            for (int64_t first = 0; first < n_layer; first += per_graph) {
+                ggml_init_params gp = { graph_mem, nullptr, true };
+                ctxs.push_back(ggml_init(gp));
+                graphs.push_back(build(ctxs.back(), first, std::min(first + per_graph, n_layer)));
+                allocs.push_back(ggml_gallocr_new(ggml_backend_get_default_buffer_type(backend)));
+                if (!ggml_gallocr_alloc_graph(allocs.back(), graphs.back())) {
+                    fprintf(stderr, "bench-cpu-mmid: cannot allocate the compute buffer\n");
+                    return 1;
+                }
+            }
+            std::vector<double> ms;
+            for (int64_t t = -2; t < n_tokens; ++t) { // two warm-up tokens
+                route();
+                double total = 0.0;
+                for (ggml_cgraph * gf : graphs) {
+                    if (mode == "split" && gap_us > 0) {
+                        std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+                    }
+                    const auto t0 = std::chrono::steady_clock::now();
+                    if (ggml_backend_graph_compute(backend, gf) != GGML_STATUS_SUCCESS) {
+                        fprintf(stderr, "bench-cpu-mmid: the graph failed\n");
+                        return 1;
+                    }
+                    total += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+                }
+                if (t >= 0) {
+                    ms.push_back(total);
+                }
+            }
+            std::sort(ms.begin(), ms.end());
+            const double med = ms[ms.size()/2];
+            printf("{\"mode\": \"%s\", \"threads\": %lld, \"layers\": %lld, \"tokens\": %lld, \"gap_us\": %lld, "
+                   "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.2f, "
+                   "\"hugepages\": %d, \"mmid_flat\": %d}\n",
+                mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
+                (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
+                hugepages ? 1 : 0, mmid_flat);
+            fflush(stdout);
+            for (size_t i = 0; i < graphs.size(); ++i) {
+                ggml_gallocr_free(allocs[i]);
+                ggml_free(ctxs[i]);
+            }
+        }
+        tp_set(backend, nullptr);
+        tp_free(tp);
+    }
+    ggml_backend_buffer_free(ibuf);
+    ggml_backend_buffer_free(wbuf);
+    ggml_free(ictx);
+    ggml_free(wctx);
+    ggml_backend_free(backend);
+    return 0;
+}
