@@ -236,11 +236,11 @@ while [ $i -lt ${#phases[@]} ]; do
         # (benchmarks/native/bench_cpu_mmid.cpp): the three MUL_MAT_IDs of 48 layers streaming random
         # experts from DRAM in one graph (the kernels' rate) and one graph per layer with the GPU's part as
         # idle time between (what the hand-overs add), each with stock pages, huge pages and patch 0077's
-        # flat split (CPU_MMID_ARGS: the tool's flags)
+        # flat split, and repacked for the CPU with either split (CPU_MMID_ARGS: the tool's flags)
         mb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-cpu-mmid"))')
         margs=${CPU_MMID_ARGS:-"-t 8,16 -n 32"}
         : > "$out/cpu-mmid.jsonl"
-        for variant in "0|" "0|--hugepages" "1|--hugepages"; do  # GGML_CPU_MMID_FLAT|flags
+        for variant in "0|" "0|--hugepages" "1|--hugepages" "0|--repack" "1|--repack"; do  # GGML_CPU_MMID_FLAT|flags
             flat=${variant%%|*} flags=${variant#*|}
             log "cpu-mmid: GGML_CPU_MMID_FLAT=$flat $flags $margs"
             # shellcheck disable=SC2086 # the flags are word lists

@@ -10,12 +10,17 @@
 // Random Q4_0 weights (a small fixed scale, random quants): the time does not depend on the values.
 // One JSON line per (mode, threads):
 //   {"mode": "...", "threads": T, "layers": L, "tokens": N, "ms_per_token": median, "ms_min": ...,
-//    "gb_per_token": expert bytes read, "gb_s": at the median, "hugepages": 0|1, "mmid_flat": 0|1}
+//    "gb_per_token": expert bytes read, "gb_s": at the median, "hugepages": 0|1, "mmid_flat": 0|1,
+//    "repack": 0|1, "checksum": FNV-1a of the last token's outputs}
+// The checksum is the same for a seed whatever the split of the rows among threads: a check that
+// GGML_CPU_MMID_FLAT=1 computes what the stock split does, bit for bit (not across -t, which can change
+// how the activations are quantized).
 // GGML_CPU_MMID_FLAT=1 (patch 0077) applies as in the server; --hugepages asks the CPU buffer for
-// transparent huge pages (patch 0075's switch).
+// transparent huge pages (patch 0075's switch); --repack puts the weights in the CPU's repack buffer
+// (the layout and kernels the CPU takes by default, which the hot-expert cache cannot upload from).
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
-//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--seed S]
+//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--seed S]
 //   (defaults: the Qwen3-30B-A3B shape: 48 layers, 128 experts, 8 used, 768 x 2048; 32 tokens; the
 //   machine's hardware threads; both modes; a gap of 60 us)
 
@@ -60,17 +65,21 @@ static int64_t parse_positive(const char * s, const char * what) {
     return v[0];
 }
 
-// Q4_0 blocks with the scale 1/64 and random quants, written straight into the tensor (a CPU buffer),
-// a part of the tensors per hardware thread
-static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed) {
+// Q4_0 blocks with the scale 1/64 and random quants, a part of the tensors per hardware thread: written
+// straight into a CPU buffer, or set through the repack buffer (which takes a whole tensor at once)
+static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed, bool repacked) {
     const ggml_fp16_t scale = ggml_fp32_to_fp16(1.0f/64.0f);
     const size_t block = ggml_type_size(GGML_TYPE_Q4_0);
     const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::thread> workers;
     for (unsigned w = 0; w < n_threads; ++w) {
         workers.emplace_back([&, w] {
+            std::vector<uint8_t> staging;
             for (size_t i = w; i < tensors.size(); i += n_threads) {
-                uint8_t * p = (uint8_t *) tensors[i]->data;
+                if (repacked) {
+                    staging.resize(ggml_nbytes(tensors[i]));
+                }
+                uint8_t * p = repacked ? staging.data() : (uint8_t *) tensors[i]->data;
                 const size_t n_blocks = ggml_nbytes(tensors[i]) / block;
                 uint64_t x = seed + 0x9e3779b97f4a7c15ull * (i + 1);
                 for (size_t b = 0; b < n_blocks; ++b, p += block) {
@@ -79,6 +88,9 @@ static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed)
                         x ^= x << 13; x ^= x >> 7; x ^= x << 17; // xorshift64
                         memcpy(p + q, &x, std::min<size_t>(8, block - q));
                     }
+                }
+                if (repacked) {
+                    ggml_backend_tensor_set(tensors[i], staging.data(), 0, staging.size());
                 }
             }
         });
@@ -91,7 +103,7 @@ static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed)
 int main(int argc, char ** argv) {
     int64_t n_layer = 48, n_tokens = 32, n_expert = 128, n_used = 8, n_ff = 768, n_embd = 2048, gap_us = 60;
     uint64_t seed = 1;
-    bool hugepages = false;
+    bool hugepages = false, repacked = false;
     std::vector<int64_t> threads = { (int64_t) std::max(1u, std::thread::hardware_concurrency()) };
     std::vector<std::string> modes = { "graph", "split" };
     for (int i = 1; i < argc; ++i) {
@@ -108,6 +120,7 @@ int main(int argc, char ** argv) {
         else if (a == "--gap-us") { gap_us = atoll(need()); }
         else if (a == "--seed") { seed = (uint64_t) atoll(need()); }
         else if (a == "--hugepages") { hugepages = true; }
+        else if (a == "--repack") { repacked = true; }
         else if (a == "-m") {
             modes.clear();
             std::string s = need();
@@ -122,7 +135,7 @@ int main(int argc, char ** argv) {
             }
         } else {
             fprintf(stderr, "usage: bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]\n"
-                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--seed S]\n");
+                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--seed S]\n");
             return a == "-h" || a == "--help" ? 0 : 2;
         }
     }
@@ -131,6 +144,12 @@ int main(int argc, char ** argv) {
         return 2;
     }
 
+    // ggml's debug lines (one per repacked tensor) would drown what this prints
+    ggml_log_set([](ggml_log_level level, const char * text, void *) {
+        if (level != GGML_LOG_LEVEL_DEBUG) {
+            fputs(text, stderr);
+        }
+    }, nullptr);
     ggml_backend_load_all();
     ggml_backend_dev_t dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
     ggml_backend_reg_t reg = dev ? ggml_backend_dev_backend_reg(dev) : nullptr;
@@ -164,13 +183,27 @@ int main(int argc, char ** argv) {
         down[il] = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_ff, n_embd, n_expert);
         all.insert(all.end(), { gate[il], up[il], down[il] });
     }
-    ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, ggml_backend_dev_buffer_type(dev));
+    ggml_backend_buffer_type_t wbuft = ggml_backend_dev_buffer_type(dev);
+    if (repacked) {
+        auto * extra = (ggml_backend_dev_get_extra_bufts_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts");
+        wbuft = nullptr;
+        for (ggml_backend_buffer_type_t * b = extra ? extra(dev) : nullptr; b && *b; ++b) {
+            if (strcmp(ggml_backend_buft_name(*b), "CPU_REPACK") == 0) {
+                wbuft = *b;
+            }
+        }
+        if (!wbuft) {
+            fprintf(stderr, "bench-cpu-mmid: --repack: this build's CPU backend has no repack buffer\n");
+            return 1;
+        }
+    }
+    ggml_backend_buffer_t wbuf = ggml_backend_alloc_ctx_tensors_from_buft(wctx, wbuft);
     if (!wbuf) {
         fprintf(stderr, "bench-cpu-mmid: cannot allocate %.2f GiB of weights (lower -l)\n",
             (double) n_layer*3*ggml_nbytes(gate[0])/(1u << 30));
         return 1;
     }
-    fill_q4_0(all, seed);
+    fill_q4_0(all, seed, repacked);
     // the bytes a token reads: n_used experts' rows of the three matrices in every layer
     const double gb_per_token = (double) n_layer*n_used*3*(ggml_nbytes(gate[0])/n_expert)/1e9;
 
@@ -208,9 +241,29 @@ int main(int argc, char ** argv) {
             ggml_tensor * g = ggml_mul_mat_id(ctx, gate[il], x, sel);   // [n_ff, n_used, 1]
             ggml_tensor * v = ggml_mul_mat_id(ctx, up[il], x, sel);
             ggml_tensor * h = ggml_swiglu_split(ctx, g, v);
-            ggml_build_forward_expand(gf, ggml_mul_mat_id(ctx, down[il], h, sel)); // [n_embd, n_used, 1]
+            ggml_tensor * out = ggml_mul_mat_id(ctx, down[il], h, sel); // [n_embd, n_used, 1]
+            ggml_set_output(out);
+            ggml_build_forward_expand(gf, out);
         }
         return gf;
+    };
+    auto checksum = [](const std::vector<ggml_cgraph *> & graphs) { // FNV-1a over every graph's outputs
+        uint64_t hash = 0xcbf29ce484222325ull;
+        std::vector<uint8_t> bytes;
+        for (ggml_cgraph * gf : graphs) {
+            for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+                ggml_tensor * t = ggml_graph_node(gf, i);
+                if (!(t->flags & GGML_TENSOR_FLAG_OUTPUT)) {
+                    continue;
+                }
+                bytes.resize(ggml_nbytes(t));
+                ggml_backend_tensor_get(t, bytes.data(), 0, bytes.size());
+                for (uint8_t b : bytes) {
+                    hash = (hash ^ b) * 0x100000001b3ull;
+                }
+            }
+        }
+        return hash;
     };
 
     for (int64_t nt : threads) {
@@ -257,14 +310,15 @@ int main(int argc, char ** argv) {
                     ms.push_back(total);
                 }
             }
+            const uint64_t sum = checksum(graphs);
             std::sort(ms.begin(), ms.end());
             const double med = ms[ms.size()/2];
             printf("{\"mode\": \"%s\", \"threads\": %lld, \"layers\": %lld, \"tokens\": %lld, \"gap_us\": %lld, "
                    "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.2f, "
-                   "\"hugepages\": %d, \"mmid_flat\": %d}\n",
+                   "\"hugepages\": %d, \"mmid_flat\": %d, \"repack\": %d, \"checksum\": \"%016llx\"}\n",
                 mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
                 (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
-                hugepages ? 1 : 0, mmid_flat);
+                hugepages ? 1 : 0, mmid_flat, repacked ? 1 : 0, (unsigned long long) sum);
             fflush(stdout);
             for (size_t i = 0; i < graphs.size(); ++i) {
                 ggml_gallocr_free(allocs[i]);
