@@ -41,8 +41,10 @@ def test_one_mask_for_every_qsa_layer(two_qsa_layers):
                 for r in op_time_reports(log) if r["backend"] == "CPU"]
 
     host_casts, dev_casts = casts(host_log), casts(dev_log)
-    assert len(host_casts) > 16  # the prompt's ubatches and the decode steps, each its own report
+    # the prompt's ubatches and the decode steps, each its own report (the last one may not be in the log
+    # yet when it is read: each run is counted on its own)
+    assert len(host_casts) > 16 and len(dev_casts) > 16
     # the host's f16 mask: one cast per graph for both QSA layers
     assert host_casts == [1.0] * len(host_casts)
     # the device's mask: its f32 values before the f16 cast, no cast back
-    assert dev_casts == [0] * len(host_casts)
+    assert dev_casts == [0] * len(dev_casts)
