@@ -314,7 +314,7 @@ int main(int argc, char ** argv) {
             std::sort(ms.begin(), ms.end());
             const double med = ms[ms.size()/2];
             printf("{\"mode\": \"%s\", \"threads\": %lld, \"layers\": %lld, \"tokens\": %lld, \"gap_us\": %lld, "
-                   "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.2f, "
+                   "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.4g, "
                    "\"hugepages\": %d, \"mmid_flat\": %d, \"repack\": %d, \"checksum\": \"%016llx\"}\n",
                 mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
                 (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
