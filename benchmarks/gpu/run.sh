@@ -235,18 +235,20 @@ while [ $i -lt ${#phases[@]} ]; do
         # issue 11 goal 2: the CPU's part of an all-CPU-experts decode step of the 30B shape, taken apart
         # (benchmarks/native/bench_cpu_mmid.cpp): the three MUL_MAT_IDs of 48 layers streaming random
         # experts from DRAM in one graph (the kernels' rate) and one graph per layer with the GPU's part as
-        # idle time between (what the hand-overs add), each with stock pages, huge pages and patch 0077's
-        # flat split, and repacked for the CPU with either split (CPU_MMID_ARGS: the tool's flags)
+        # idle time between (what the hand-overs add), each with stock pages, huge pages, patch 0077's
+        # flat split and patch 0079's four-row dot products, and repacked for the CPU with either split
+        # (CPU_MMID_ARGS: the tool's flags)
         mb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-cpu-mmid"))')
         margs=${CPU_MMID_ARGS:-"-t 8,16 -n 32"}
         : > "$out/cpu-mmid.jsonl"
-        for variant in "0|" "0|--hugepages" "1|--hugepages" "0|--repack" "1|--repack"; do  # GGML_CPU_MMID_FLAT|flags
-            flat=${variant%%|*} flags=${variant#*|}
-            log "cpu-mmid: GGML_CPU_MMID_FLAT=$flat $flags $margs"
+        # GGML_CPU_MMID_FLAT|GGML_CPU_DOT_X4|flags
+        for variant in "0|0|" "0|0|--hugepages" "1|0|--hugepages" "0|1|--hugepages" "1|1|--hugepages" "0|0|--repack" "1|0|--repack"; do
+            IFS='|' read -r flat x4 flags <<< "$variant"
+            log "cpu-mmid: GGML_CPU_MMID_FLAT=$flat GGML_CPU_DOT_X4=$x4 $flags $margs"
             # shellcheck disable=SC2086 # the flags are word lists
-            GGML_CPU_MMID_FLAT=$flat "$mb" $margs $flags \
+            GGML_CPU_MMID_FLAT=$flat GGML_CPU_DOT_X4=$x4 "$mb" $margs $flags \
                 2>> "$out/cpu-mmid.err" | tee -a "$out/cpu-mmid.jsonl" \
-                | python3 -c 'import json, sys; [print("cpu-mmid: %(mode)s t=%(threads)d huge=%(hugepages)d flat=%(mmid_flat)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
+                | python3 -c 'import json, sys; [print("cpu-mmid: %(mode)s t=%(threads)d huge=%(hugepages)d flat=%(mmid_flat)d x4=%(dot_x4)d repack=%(repack)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
                 | tee -a "$out/run.log" || { tail -20 "$out/cpu-mmid.err"; failed=1; }
         done
         ;;

@@ -11,11 +11,11 @@
 // One JSON line per (mode, threads):
 //   {"mode": "...", "threads": T, "layers": L, "tokens": N, "ms_per_token": median, "ms_min": ...,
 //    "gb_per_token": expert bytes read, "gb_s": at the median, "hugepages": 0|1, "mmid_flat": 0|1,
-//    "repack": 0|1, "checksum": FNV-1a of the last token's outputs}
+//    "dot_x4": 0|1, "repack": 0|1, "checksum": FNV-1a of the last token's outputs}
 // The checksum is the same for a seed whatever the split of the rows among threads: a check that
-// GGML_CPU_MMID_FLAT=1 computes what the stock split does, bit for bit (not across -t, which can change
-// how the activations are quantized).
-// GGML_CPU_MMID_FLAT=1 (patch 0077) applies as in the server; --hugepages asks the CPU buffer for
+// GGML_CPU_MMID_FLAT=1 computes what the stock split does, and GGML_CPU_DOT_X4=1 what the one-row kernel
+// does, bit for bit (not across -t, which can change how the activations are quantized).
+// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server; --hugepages asks the CPU buffer for
 // transparent huge pages (patch 0075's switch); --repack puts the weights in the CPU's repack buffer
 // (the layout and kernels the CPU takes by default, which the hot-expert cache cannot upload from).
 //
@@ -172,6 +172,8 @@ int main(int argc, char ** argv) {
     }
     const char * flat_env = getenv("GGML_CPU_MMID_FLAT");
     const int mmid_flat = flat_env && atoi(flat_env) != 0;
+    const char * x4_env = getenv("GGML_CPU_DOT_X4");
+    const int dot_x4 = x4_env && atoi(x4_env) != 0;
 
     // the weights: gate and up [n_embd, n_ff, n_expert], down [n_ff, n_embd, n_expert] per layer
     ggml_init_params wp = { (size_t) (3*n_layer + 1)*ggml_tensor_overhead(), nullptr, true };
@@ -315,10 +317,10 @@ int main(int argc, char ** argv) {
             const double med = ms[ms.size()/2];
             printf("{\"mode\": \"%s\", \"threads\": %lld, \"layers\": %lld, \"tokens\": %lld, \"gap_us\": %lld, "
                    "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.4g, "
-                   "\"hugepages\": %d, \"mmid_flat\": %d, \"repack\": %d, \"checksum\": \"%016llx\"}\n",
+                   "\"hugepages\": %d, \"mmid_flat\": %d, \"dot_x4\": %d, \"repack\": %d, \"checksum\": \"%016llx\"}\n",
                 mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
                 (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
-                hugepages ? 1 : 0, mmid_flat, repacked ? 1 : 0, (unsigned long long) sum);
+                hugepages ? 1 : 0, mmid_flat, dot_x4, repacked ? 1 : 0, (unsigned long long) sum);
             fflush(stdout);
             for (size_t i = 0; i < graphs.size(); ++i) {
                 ggml_gallocr_free(allocs[i]);

@@ -68,34 +68,40 @@ def test_the_qsa_indexer_bench_names_a_bad_argument():
     assert_usage_error("bench-qsa-indexer", ["-d", "NoSuchDevice"], "no device named 'NoSuchDevice'")
 
 
-def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_is_exact():
+def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_and_x4_dots_are_exact():
     """benchmarks/native/bench_cpu_mmid.cpp (issue 11): one JSON line per mode and thread count, a positive
     time per token and the expert bytes a token reads (a small shape here: 2 layers, 16 experts, 2 used; the
     device phase runs the 30B shape). Its checksum of the outputs is the same with patch 0077's flat split
     (GGML_CPU_MMID_FLAT=1) as with the stock one, in the GGUF layout and repacked for the CPU, and with
-    huge pages: the flat split computes the same rows, bit for bit (checked to fail with rows left out)."""
+    huge pages: the flat split computes the same rows, bit for bit (checked to fail with rows left out).
+    The same with patch 0079's four-row dot products (GGML_CPU_DOT_X4=1), alone and with the flat split
+    (checked to fail with two rows' results swapped and with the kernel's last block left out)."""
     import json
     import os
 
     exe = binary("bench-cpu-mmid")
     args = [str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "64", "-d", "256", "-n", "3", "-t", "1,2", "--gap-us", "10"]
     runs = {}
-    for flat, extra in (("0", ""), ("1", ""), ("0", "--repack"), ("1", "--repack"), ("1", "--hugepages")):
+    arms = (("0", "0", ""), ("1", "0", ""), ("0", "0", "--repack"), ("1", "0", "--repack"), ("1", "0", "--hugepages"),
+            ("0", "1", ""), ("1", "1", ""))
+    for flat, x4, extra in arms:
         r = subprocess.run(args + extra.split(), capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "GGML_CPU_MMID_FLAT": flat})
+                           env={**os.environ, "GGML_CPU_MMID_FLAT": flat, "GGML_CPU_DOT_X4": x4})
         assert r.returncode == 0, r.stderr[-2000:]
-        runs[flat, extra] = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        runs[flat, x4, extra] = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     rows = [row for out in runs.values() for row in out]
     assert all({(r["mode"], r["threads"]) for r in out} == {(m, t) for m in ("graph", "split") for t in (1, 2)}
                for out in runs.values()), runs
-    assert [(r["mmid_flat"], r["repack"], r["hugepages"]) for r in runs["1", "--repack"]] == [(1, 1, 0)] * 4
+    assert [(r["mmid_flat"], r["dot_x4"], r["repack"], r["hugepages"]) for r in runs["1", "0", "--repack"]] == [(1, 0, 1, 0)] * 4
+    assert [(r["mmid_flat"], r["dot_x4"]) for r in runs["1", "1", ""]] == [(1, 1)] * 4
     # 2 layers x 2 experts x 3 matrices of 64 x 256 Q4_0 (18 bytes per 32 weights)
     assert all(abs(r["gb_per_token"] - 2 * 2 * 3 * 64 * 256 / 32 * 18 / 1e9) < 1e-6 for r in rows), rows
     bad = [r for r in rows if not (0 < r["ms_min"] <= r["ms_per_token"] and r["gb_s"] > 0)]
     assert not bad, bad
     sums = {k: [r["checksum"] for r in out] for k, out in runs.items()}
-    assert sums["0", ""] == sums["1", ""] == sums["1", "--hugepages"], sums
-    assert sums["0", "--repack"] == sums["1", "--repack"], sums
+    assert sums["0", "0", ""] == sums["1", "0", ""] == sums["1", "0", "--hugepages"], sums
+    assert sums["0", "0", "--repack"] == sums["1", "0", "--repack"], sums
+    assert sums["0", "0", ""] == sums["0", "1", ""] == sums["1", "1", ""], sums
 
 
 def test_the_cpu_mmid_bench_names_a_bad_argument():
