@@ -1,0 +1,47 @@
+"""The CPU's experimental MUL_MAT_ID switches on the H200 machine's CPU (its AVX512 VNNI kernels): with every
+routed expert in pinned host buffers (the GGUF layout the hot-expert cache uploads from), decode with
+GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) must be bit-identical to the stock
+path, with the experts computed on the CPU and with the cache's misses computed there. The model is the
+tiny preset in Q4_0, the type with a four-row kernel. The CPU e2e twin is tests/e2e/test_cpu_mmid_switches.py.
+
+Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cache_checks import N_EXPERT, PROMPTS, cache_stats, complete, max_logprob_diff
+from moecache import synth
+from moecache.server import ServerProcess
+
+pytestmark = pytest.mark.gpu
+
+# --no-repack: the GGUF layout, where the four-row kernel applies, on any build (pinned buffers are not repacked)
+BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-lm", "none", "--no-repack", "--no-webui"]
+CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16",
+              "--moe-cache-rebalance-interval", "4"]
+SWITCHES = {"GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_0(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-q4_0") / "tiny-q4_0.gguf"
+    return synth.write_model(path, preset="tiny", quant="q4_0", seed=0, progress=False, threads=2)
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["cpu-experts", "cache-misses"])
+def test_the_switches_are_bit_identical_on_the_gpu_machine(tiny_q4_0, cache):
+    args = BASE_ARGS + (CACHE_ARGS if cache else [])
+    runs = {}
+    for name, env in (("stock", {k: "0" for k in SWITCHES}), ("switched", SWITCHES)):
+        with ServerProcess(tiny_q4_0, args=args, env=env, timeout=180) as srv:
+            runs[name] = ([complete(srv, p) for p in PROMPTS], cache_stats(srv) if cache else None)
+    (base, base_st), (outs, st) = runs["stock"], runs["switched"]
+    for a, b in zip(base, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) == 0.0
+    if cache:
+        # some experts missed (computed on the CPU) and some were uploaded, in both runs
+        assert st["total"]["uploads"] > 0 and base_st["total"]["uploads"] > 0
+        assert st["total"]["misses"] > 0 and base_st["total"]["misses"] > 0, st["total"]
