@@ -43,6 +43,12 @@ def tiny_model(moecache_cache_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_q4_0(moecache_cache_dir) -> Path:
+    """`tiny` in Q4_0, the type with the CPU's four-row kernel (patch 0079); tiny itself is Q8_0."""
+    return _tiny_model(moecache_cache_dir, "tiny", "q4_0")
+
+
+@pytest.fixture(scope="session")
 def qwen4exp(moecache_cache_dir) -> Path:
     """The `tiny-qwen4exp` synthetic model (seed 0: GDN, QSA with its indexer, PLE), made once per
     session for the long-context tests."""
@@ -55,16 +61,16 @@ def qwen4exp_8l(moecache_cache_dir) -> Path:
     return _tiny_model(moecache_cache_dir, "tiny-qwen4exp-8l")
 
 
-def _tiny_model(cache_dir: Path, preset: str) -> Path:
-    """A synthetic model of `preset` (seed 0) in the session cache folder, made on first use (the same
-    bytes at any thread count)."""
+def _tiny_model(cache_dir: Path, preset: str, quant: str | None = None) -> Path:
+    """A synthetic model of `preset` (seed 0; the synth default quant unless given) in the session cache
+    folder, made on first use (the same bytes at any thread count)."""
     from moecache import synth
 
     models = cache_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
-    path = models / synth.cached_model_name(preset, seed=0)
+    path = models / synth.cached_model_name(preset, quant, seed=0)
     if not path.exists():
-        synth.write_model(path, preset=preset, seed=0, progress=False, threads=2)
+        synth.write_model(path, preset=preset, quant=quant or synth.DEFAULT_QUANT, seed=0, progress=False, threads=2)
     return path
 
 

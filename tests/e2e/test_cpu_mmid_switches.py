@@ -13,18 +13,10 @@ from __future__ import annotations
 import pytest
 
 from moe_cache_checks import N_EXPERT, PROMPTS, complete, logprobs
-from moecache import synth
 from moecache.server import ServerProcess
 
 ARGS = ["-t", "2", "-c", "1024", "-np", "1", "--no-repack", "--no-webui"]  # repacked experts take their own kernels
 CACHE = ["--cpu-moe", "--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16"]
-
-
-@pytest.fixture(scope="module")
-def tiny_q4_0(tmp_path_factory):
-    """The tiny preset in Q4_0, the one type with a four-row kernel (tiny itself is Q8_0)."""
-    path = tmp_path_factory.mktemp("tiny-q4_0") / "tiny-q4_0.gguf"
-    return synth.write_model(path, preset="tiny", quant="q4_0", seed=0, progress=False, threads=2)
 
 
 @pytest.mark.parametrize("switch,model", [("GGML_CPU_MMID_FLAT", "tiny_model"), ("GGML_CPU_DOT_X4", "tiny_q4_0")],

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 
 from moe_cache_checks import N_EXPERT, PROMPTS, cache_stats, complete, max_logprob_diff
-from moecache import synth
 from moecache.server import ServerProcess
 
 pytestmark = pytest.mark.gpu
@@ -22,12 +21,6 @@ BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-l
 CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16",
               "--moe-cache-rebalance-interval", "4"]
 SWITCHES = {"GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"}
-
-
-@pytest.fixture(scope="module")
-def tiny_q4_0(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-q4_0") / "tiny-q4_0.gguf"
-    return synth.write_model(path, preset="tiny", quant="q4_0", seed=0, progress=False, threads=2)
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["cpu-experts", "cache-misses"])
