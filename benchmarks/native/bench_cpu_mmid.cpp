@@ -15,9 +15,10 @@
 // The checksum is the same for a seed whatever the split of the rows among threads: a check that
 // GGML_CPU_MMID_FLAT=1 computes what the stock split does, and GGML_CPU_DOT_X4=1 what the one-row kernel
 // does, bit for bit (not across -t, which can change how the activations are quantized).
-// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server; --hugepages asks the CPU buffer for
-// transparent huge pages (patch 0075's switch); --repack puts the weights in the CPU's repack buffer
-// (the layout and kernels the CPU takes by default, which the hot-expert cache cannot upload from).
+// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server;
+// --hugepages asks the CPU buffer for transparent huge pages (patch 0075's switch); --repack puts the
+// weights in the CPU's repack buffer (the layout and kernels the CPU takes by default, which the hot-expert
+// cache cannot upload from).
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
 //                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--seed S]
