@@ -578,7 +578,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore,
                                                     bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
-                                                    bool pp_overrides) {
+                                                    bool pp_overrides, bool cpu_experts_flat, bool cpu_experts_x4) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -619,6 +619,8 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.kq_mask_device = kq_mask_device;
     params.qsa_block_topk = qsa_block_topk;
     params.pp_overrides = pp_overrides;
+    params.cpu_experts_flat = cpu_experts_flat;
+    params.cpu_experts_x4 = cpu_experts_x4;
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -1371,7 +1373,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
              py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false,
-             py::arg("pp_overrides") = false)
+             py::arg("pp_overrides") = false, py::arg("cpu_experts_flat") = false, py::arg("cpu_experts_x4") = false)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
