@@ -1,7 +1,8 @@
 """The CPU's experimental MUL_MAT_ID switches on the H200 machine's CPU (its AVX512 VNNI kernels): with every
 routed expert in pinned host buffers (the GGUF layout the hot-expert cache uploads from), decode with
 GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) must be bit-identical to the stock
-path, with the experts computed on the CPU and with the cache's misses computed there. The model is the
+path, with the experts computed on the CPU and with the cache's misses computed there; switched by the
+environment variables and by patch 0080's flags (whose path the CPU backend's line confirms). The model is the
 tiny preset in Q4_0, the type with a four-row kernel. The CPU e2e twin is tests/e2e/test_cpu_mmid_switches.py.
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
@@ -21,15 +22,22 @@ BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-l
 CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16",
               "--moe-cache-rebalance-interval", "4"]
 SWITCHES = {"GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"}
+FLAGS = ["--cpu-experts-flat", "--cpu-experts-x4", "-lv", "4"]  # patch 0080: the same switches per context
+SAID = "one token's experts (q4_0): flat split of rows, four-row dot products"
 
 
+@pytest.mark.parametrize("by", ["env", "flags"])
 @pytest.mark.parametrize("cache", [False, True], ids=["cpu-experts", "cache-misses"])
-def test_the_switches_are_bit_identical_on_the_gpu_machine(tiny_q4_0, cache):
+def test_the_switches_are_bit_identical_on_the_gpu_machine(tiny_q4_0, cache, by):
     args = BASE_ARGS + (CACHE_ARGS if cache else [])
+    stock_env = {k: "0" for k in SWITCHES}
+    switched = (args, SWITCHES) if by == "env" else (args + FLAGS, stock_env)
     runs = {}
-    for name, env in (("stock", {k: "0" for k in SWITCHES}), ("switched", SWITCHES)):
-        with ServerProcess(tiny_q4_0, args=args, env=env, timeout=180) as srv:
+    for name, (run_args, env) in (("stock", (args, stock_env)), ("switched", switched)):
+        with ServerProcess(tiny_q4_0, args=run_args, env=env, timeout=180) as srv:
             runs[name] = ([complete(srv, p) for p in PROMPTS], cache_stats(srv) if cache else None)
+            if by == "flags" and name == "switched":
+                assert SAID in srv.log_text(), srv.log_text()[-3000:]  # the CPU backend took them
     (base, base_st), (outs, st) = runs["stock"], runs["switched"]
     for a, b in zip(base, outs):
         assert a["tokens"] == b["tokens"]
