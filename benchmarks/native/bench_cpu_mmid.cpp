@@ -15,13 +15,16 @@
 // The checksum is the same for a seed whatever the split of the rows among threads: a check that
 // GGML_CPU_MMID_FLAT=1 computes what the stock split does, and GGML_CPU_DOT_X4=1 what the one-row kernel
 // does, bit for bit (not across -t, which can change how the activations are quantized).
-// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server;
+// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server; --flat and
+// --x4 turn them on for this tool's CPU backend alone, through the setters of patch 0080
+// (ggml_backend_cpu_set_mmid_flat, ggml_backend_cpu_set_dot_x4, found by name as llama.cpp finds them);
 // --hugepages asks the CPU buffer for transparent huge pages (patch 0075's switch); --repack puts the
 // weights in the CPU's repack buffer (the layout and kernels the CPU takes by default, which the hot-expert
 // cache cannot upload from).
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
-//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--seed S]
+//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]
+//                  [--seed S]
 //   (defaults: the Qwen3-30B-A3B shape: 48 layers, 128 experts, 8 used, 768 x 2048; 32 tokens; the
 //   machine's hardware threads; both modes; a gap of 60 us)
 
@@ -40,6 +43,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 static std::vector<int64_t> parse_list(const char * s, const char * what) {
@@ -104,7 +108,7 @@ static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed,
 int main(int argc, char ** argv) {
     int64_t n_layer = 48, n_tokens = 32, n_expert = 128, n_used = 8, n_ff = 768, n_embd = 2048, gap_us = 60;
     uint64_t seed = 1;
-    bool hugepages = false, repacked = false;
+    bool hugepages = false, repacked = false, flat = false, x4 = false;
     std::vector<int64_t> threads = { (int64_t) std::max(1u, std::thread::hardware_concurrency()) };
     std::vector<std::string> modes = { "graph", "split" };
     for (int i = 1; i < argc; ++i) {
@@ -122,6 +126,8 @@ int main(int argc, char ** argv) {
         else if (a == "--seed") { seed = (uint64_t) atoll(need()); }
         else if (a == "--hugepages") { hugepages = true; }
         else if (a == "--repack") { repacked = true; }
+        else if (a == "--flat") { flat = true; }
+        else if (a == "--x4") { x4 = true; }
         else if (a == "-m") {
             modes.clear();
             std::string s = need();
@@ -136,7 +142,8 @@ int main(int argc, char ** argv) {
             }
         } else {
             fprintf(stderr, "usage: bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]\n"
-                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--seed S]\n");
+                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]\n"
+                            "                      [--seed S]\n");
             return a == "-h" || a == "--help" ? 0 : 2;
         }
     }
@@ -171,10 +178,22 @@ int main(int argc, char ** argv) {
         }
         set_huge(1);
     }
+    for (const auto & [on, name] : { std::pair<bool, const char *>{ flat, "ggml_backend_cpu_set_mmid_flat" },
+                                     std::pair<bool, const char *>{ x4,   "ggml_backend_cpu_set_dot_x4" } }) {
+        auto * set = on ? (void (*)(ggml_backend_t, bool)) ggml_backend_reg_get_proc_address(reg, name) : nullptr;
+        if (on && !set) {
+            fprintf(stderr, "bench-cpu-mmid: this build's CPU backend has no %s\n", name);
+            return 1;
+        }
+        if (set) {
+            set(backend, true);
+        }
+    }
+    // what the backend's plans take: the environment's default, or'ed with this backend's own switch
     const char * flat_env = getenv("GGML_CPU_MMID_FLAT");
-    const int mmid_flat = flat_env && atoi(flat_env) != 0;
+    const int mmid_flat = flat || (flat_env && atoi(flat_env) != 0);
     const char * x4_env = getenv("GGML_CPU_DOT_X4");
-    const int dot_x4 = x4_env && atoi(x4_env) != 0;
+    const int dot_x4 = x4 || (x4_env && atoi(x4_env) != 0);
 
     // the weights: gate and up [n_embd, n_ff, n_expert], down [n_ff, n_embd, n_expert] per layer
     ggml_init_params wp = { (size_t) (3*n_layer + 1)*ggml_tensor_overhead(), nullptr, true };

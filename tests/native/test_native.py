@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -75,20 +76,24 @@ def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_and_x4_dots_ar
     (GGML_CPU_MMID_FLAT=1) as with the stock one, in the GGUF layout and repacked for the CPU, and with
     huge pages: the flat split computes the same rows, bit for bit (checked to fail with rows left out).
     The same with patch 0079's four-row dot products (GGML_CPU_DOT_X4=1), alone and with the flat split
-    (checked to fail with two rows' results swapped and with the kernel's last block left out)."""
+    (checked to fail with two rows' results swapped and with the kernel's last block left out), and with
+    both turned on for the tool's CPU backend alone by patch 0080's setters (--flat --x4), whose path the
+    backend's line names (and the stock path's runs have no such line)."""
     import json
     import os
 
     exe = binary("bench-cpu-mmid")
     args = [str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "64", "-d", "256", "-n", "3", "-t", "1,2", "--gap-us", "10"]
     runs = {}
+    said = {}
     arms = (("0", "0", ""), ("1", "0", ""), ("0", "0", "--repack"), ("1", "0", "--repack"), ("1", "0", "--hugepages"),
-            ("0", "1", ""), ("1", "1", ""))
+            ("0", "1", ""), ("1", "1", ""), ("0", "0", "--flat --x4"))
     for flat, x4, extra in arms:
         r = subprocess.run(args + extra.split(), capture_output=True, text=True, timeout=120,
                            env={**os.environ, "GGML_CPU_MMID_FLAT": flat, "GGML_CPU_DOT_X4": x4})
         assert r.returncode == 0, r.stderr[-2000:]
         runs[flat, x4, extra] = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        said[flat, x4, extra] = re.findall(r"one token's experts \(q4_0\): (\w+) split of rows, ([\w-]+) dot", r.stderr)
     rows = [row for out in runs.values() for row in out]
     assert all({(r["mode"], r["threads"]) for r in out} == {(m, t) for m in ("graph", "split") for t in (1, 2)}
                for out in runs.values()), runs
@@ -101,7 +106,10 @@ def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_and_x4_dots_ar
     sums = {k: [r["checksum"] for r in out] for k, out in runs.items()}
     assert sums["0", "0", ""] == sums["1", "0", ""] == sums["1", "0", "--hugepages"], sums
     assert sums["0", "0", "--repack"] == sums["1", "0", "--repack"], sums
-    assert sums["0", "0", ""] == sums["0", "1", ""] == sums["1", "1", ""], sums
+    assert sums["0", "0", ""] == sums["0", "1", ""] == sums["1", "1", ""] == sums["0", "0", "--flat --x4"], sums
+    assert [(r["mmid_flat"], r["dot_x4"]) for r in runs["0", "0", "--flat --x4"]] == [(1, 1)] * 4
+    assert said["0", "0", "--flat --x4"] == said["1", "1", ""] == [("flat", "four-row")], said
+    assert said["0", "0", ""] == said["0", "0", "--repack"] == [], said
 
 
 def test_the_cpu_mmid_bench_names_a_bad_argument():
