@@ -434,6 +434,7 @@ def _cpu_expert_options(kwargs=None, environ=None) -> dict:
     """The checked settings of how the CPU computes a decode step's experts (see _feature_options)."""
     return _feature_options(CPU_EXPERT_OPTIONS, "CPU-experts", kwargs, environ)
 
+
 #
 # model, context, generation
 #
@@ -648,7 +649,8 @@ class Context:
     The CPU's experts at decode (off by default, CPU_EXPERT_OPTIONS; the same results either way): with
     `cpu_experts_flat` each CPU thread computes one run of a token's experts' rows instead of a slice of every
     expert (LLAMA_ARG_CPU_EXPERTS_FLAT); with `cpu_experts_x4` it computes four Q4_0 rows' dot products at once
-    (LLAMA_ARG_CPU_EXPERTS_X4). Both apply to experts in host memory (the model's `pinned` buffers, the expert
+    (LLAMA_ARG_CPU_EXPERTS_X4), where the experts keep the GGUF layout (`pinned=True` or `repack=False`; repacked
+    experts keep their own kernels). Both apply to experts computed on the CPU (in host memory, the expert
     cache's misses); together they read those experts up to twice as fast.
     """
 
