@@ -543,6 +543,27 @@ def test_runner_end_to_end_with_a_fake_server(tmp_path, fake_server_bin, capsys)
     assert "| small | 5000" in md.read_text()
 
 
+def test_an_arm_can_leave_out_the_ttft_request_of_the_scenario(tmp_path, fake_server_bin):
+    # two arms with the same flags, one without the streaming TTFT request after each timed one: tells
+    # whether that request changes the next one's rates
+    body = GOOD.replace('env = { FAKE_SLOWDOWN = "2" }', 'ttft = false')
+    out = tmp_path / "results"
+    assert bench.main([str(write_scenario(tmp_path, body)), "--out", str(out), "--reps", "2"]) == 0
+    data = json.loads(next(out.glob("*-t.json")).read_text())
+    rows = {(r["arm"], r["length"]): r for r in data["results"]}
+    assert rows[("base", 32)]["ttft_ms"]["n"] == 2
+    assert rows[("small", 32)]["ttft_ms"] is None and rows[("small", 32)]["decode_tps"]["n"] == 2
+    assert [a["ttft"] for a in data["arms"]] == [True, False]
+    streamed = [c for c in map(json.loads, fake_server_bin.read_text().splitlines()) if "prompt" in c]
+    assert len(streamed) == 2 * (2 + 1 + 2) + 2 * (2 + 1)  # base: warm-up, 2 timed, 2 TTFT per length
+
+
+def test_an_arms_ttft_must_be_true_or_false(tmp_path):
+    path = write_scenario(tmp_path, GOOD.replace('env = { FAKE_SLOWDOWN = "2" }', 'ttft = 1'))
+    with pytest.raises(ScenarioError, match=r"arms\[1\]\.ttft must be true or false"):
+        load_scenario(path)
+
+
 def test_runner_records_the_expert_cache_of_arms_that_have_one(tmp_path, fake_server_bin, capsys):
     body = GOOD.replace('args = ["-ub", "32"]', 'args = ["-ub", "32", "--moe-cache-slots", "16"]')
     body += '\n[[arms]]\nname = "off"\nargs = ["--moe-cache-slots", "0"]\n'

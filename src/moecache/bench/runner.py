@@ -909,7 +909,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                for a in sc.arms]
     for arm in sc.arms:
         run["arms"].append({"name": arm.name, "baseline": arm.baseline, "description": arm.description,
-                            "args": arm.args, "server_args": arm_server_args(sc, arm),
+                            "ttft": arm.measures_ttft(sc), "args": arm.args, "server_args": arm_server_args(sc, arm),
                             "env": arm_env(sc, arm), "command": [], "error": None})
 
     made = "" if model_path.is_file() else ", made and cached on the first real run"
@@ -1072,7 +1072,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                                            depth)
                                     if decoders is not None:
                                         s.update(decoders.window(t0, time.perf_counter()))
-                                    if sc.ttft and users == 1:
+                                    if arm.measures_ttft(sc) and users == 1:
                                         s["ttft_ms"] = measure_ttft(srv, next_tokens(), sc.ignore_eos, depth=depth)
                                 finally:
                                     if decoders is not None:

@@ -126,12 +126,13 @@ TOP_KEYS = {
     "start_timeout": "seconds to wait for each server to become healthy (default 600)",
     "vram_budget_gib": "GiB of GPU memory each arm's server may use: a ballast process holds the rest of every "
                        "visible GPU while the arm runs (emulates a smaller GPU; --vram-budget overrides)",
-    "arms": "[[arms]] with name, args, env, baseline",
+    "arms": "[[arms]] with name, args, env, baseline, description, plan, plan_measure, ttft (the arm's own, "
+            "over the scenario's)",
 }
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
-ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan", "plan_measure"}
+ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan", "plan_measure", "ttft"}
 DEPTH_FILLS = ("prefill", "copy")  # every slot prefills a depth / slot 0 does and the others copy its cache
 
 
@@ -183,6 +184,10 @@ class Arm:
     description: str = ""
     plan: bool = False  # `moecache plan` completes the arm's flags where they leave a setting open (--plan auto)
     plan_measure: bool = False  # with plan: `moecache plan --measure` first, its rates beside the arm's
+    ttft: bool | None = None  # the TTFT request after each timed one: None takes the scenario's setting
+
+    def measures_ttft(self, sc: "Scenario") -> bool:
+        return sc.ttft if self.ttft is None else self.ttft
 
 
 @dataclass
@@ -427,7 +432,8 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
                         description=_typed(path, f"{ctx}.description", a.get("description", ""), str, "a string"),
                         plan=_typed(path, f"{ctx}.plan", a.get("plan", False), bool, "true or false"),
                         plan_measure=_typed(path, f"{ctx}.plan_measure", a.get("plan_measure", False), bool,
-                                            "true or false")))
+                                            "true or false"),
+                        ttft=_typed(path, f"{ctx}.ttft", a["ttft"], bool, "true or false") if "ttft" in a else None))
         if arms[-1].plan_measure and not arms[-1].plan:
             raise ScenarioError(_where(path, f"{ctx}.plan_measure needs plan = true"))
     arm_names = [a.name for a in arms]
