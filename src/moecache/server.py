@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from collections.abc import Iterable, Mapping, Sequence
 
-from .api import _FALSE_WORDS, MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
+from .api import _FALSE_WORDS, CPU_EXPERT_OPTIONS, MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
 from .gguf import check_model_file
 
 DEFAULT_HOST = "127.0.0.1"
@@ -193,6 +193,13 @@ PLAN_SETTINGS = {
     "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
     "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),
     "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
+    # the CPU's expert switches: ggml's own variables count as the user's setting too (a 0 there stays off)
+    "--host-hugepages": (("--host-hugepages", "--no-host-hugepages"),
+                         ("LLAMA_ARG_HOST_HUGEPAGES", "GGML_CUDA_HOST_HUGEPAGES")),
+    "--cpu-experts-flat": (("--cpu-experts-flat", "--no-cpu-experts-flat"),
+                           (*CPU_EXPERT_OPTIONS["cpu_experts_flat"].env_names, "GGML_CPU_MMID_FLAT")),
+    "--cpu-experts-x4": (("--cpu-experts-x4", "--no-cpu-experts-x4"),
+                         (*CPU_EXPERT_OPTIONS["cpu_experts_x4"].env_names, "GGML_CPU_DOT_X4")),
 }
 
 

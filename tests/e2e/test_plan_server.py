@@ -134,7 +134,8 @@ def test_moecache_server_plan_auto(tiny_model, budget, subprocess_env, free_port
         proc.terminate()
         text = proc.communicate(timeout=30)[0]
     # the user's -c, -np and -ub stay theirs; the plan adds the rest
-    assert f"plan: -ngl 99 -b 2048 --cpu-moe --no-repack -lm none --moe-cache-slots {SLOTS} --prefill-ubatch 256" in text, text
+    assert (f"plan: -ngl 99 -b 2048 --cpu-moe --no-repack -lm none --host-hugepages --cpu-experts-flat --cpu-experts-x4 "
+            f"--moe-cache-slots {SLOTS} --prefill-ubatch 256") in text, text
 
 
 def test_plan_auto_that_cannot_fit_stops_before_starting(tiny_model, subprocess_env):

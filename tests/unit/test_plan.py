@@ -223,6 +223,21 @@ def test_the_users_flags_and_environment_win_over_the_plan():
     assert server.planned_args(plan, [], {}) == plan
 
 
+def test_experts_on_the_cpu_get_its_fast_switches_unless_you_set_them(fake_probe):
+    # the misses run on the CPU: the plan turns on huge pages, the flat split and the four-row dots
+    # (bit-identical, 1.1-1.3x decode of the cache's misses on the H200); each stays yours to set
+    model = fake_probe(answer())
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False))
+    for flag in ("--host-hugepages", "--cpu-experts-flat", "--cpu-experts-x4"):
+        assert flag in p.args()
+    assert "--host-hugepages" not in make_plan(Request(fake_probe(answer(whole_fits=True)), gpu_mem_gib=[24.0])).args()
+    plan = p.args()
+    got = server.planned_args(plan, ["--no-cpu-experts-x4"], {"GGML_CPU_MMID_FLAT": "0"})
+    assert "--cpu-experts-x4" not in got and "--cpu-experts-flat" not in got and "--host-hugepages" in got
+    assert "--host-hugepages" not in server.planned_args(plan, [], {"LLAMA_ARG_HOST_HUGEPAGES": "0"})
+    assert server.planned_args(plan, [], {}) == plan
+
+
 def test_plan_flags_are_moecache_flags():
     ours, rest = server.split_args(["--plan", "auto", "--plan-gpu-mem", "24", "-m", "x.gguf"])
     assert (ours.plan, ours.plan_gpu_mem, rest) == ("auto", "24", ["-m", "x.gguf"])
