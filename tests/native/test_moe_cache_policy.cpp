@@ -1,4 +1,4 @@
-// Unit tests of the hot-expert cache's residency policies (patch 0002, src/llama-moe-cache-policy.cpp):
+// Unit tests of the hot-expert cache's residency policies (native/src/llama-moe-cache-policy.cpp):
 // plain host logic, no ggml; the class and the C API of llama-moe.h, both from libllama. Each failed
 // check prints a line; the last line counts the passes and the failures.
 

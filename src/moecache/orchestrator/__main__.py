@@ -3,9 +3,13 @@
   fetch    download and verify the pinned upstream (cached), extract the pristine tree
   apply    vendor/llama.cpp = pristine tree + every patch in patches/series
   edit     vendor/llama.cpp as a git repo: tag 'upstream' + one commit per patch
-  export   write the edit repo's commits back as patches/NNNN-topic.patch + series
-  verify   apply the series from scratch and check it reproduces vendor/llama.cpp
-  status   what is pinned, what the series holds, what state vendor/llama.cpp is in
+  export   write the edit repo's commits back as patches/<topic>/<name>.patch + series
+  verify   check every patch's header and file, apply the series from scratch, compare the tree
+  status   what is pinned, the series per topic (patches, lines, size), the state of vendor/llama.cpp
+  rebase   move the series onto another llama.cpp tree (3-way merge; --continue, --abort)
+
+moecache's own sources (native/) are not part of the series: edit them in place.
+The layout, the header fields and the procedure for a new llama.cpp: docs/development.md.
 
 environment:
   MOECACHE_CACHE_DIR          cache of the sdist and the pristine tree (default ~/.cache/moecache)
@@ -21,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import series, upstream
+from . import rebase, series, upstream
 from .upstream import BuildError
 
 
@@ -40,7 +44,13 @@ def build_parser(prog: str = "moecache-build") -> argparse.ArgumentParser:
     e.add_argument("--force", action="store_true", help="recreate it even if it exists (discards unexported work)")
     sub.add_parser("export", help="write the edit repo's commits back to patches/ and series")
     sub.add_parser("verify", help="check that the series applied from scratch reproduces vendor/llama.cpp")
-    sub.add_parser("status", help="show the pin, the series and the state of vendor/llama.cpp")
+    sub.add_parser("status", help="show the pin, the series per topic and the state of vendor/llama.cpp")
+    r = sub.add_parser("rebase", help="move the series onto another llama.cpp tree with a 3-way merge")
+    g = r.add_mutually_exclusive_group(required=True)
+    g.add_argument("--onto", metavar="TREE", help="the llama.cpp source tree to move the series onto")
+    g.add_argument("--continue", dest="cont", action="store_true",
+                   help="go on after fixing a conflict in vendor/llama.cpp")
+    g.add_argument("--abort", action="store_true", help="give up and go back to the series on the pin")
     return p
 
 
@@ -63,6 +73,12 @@ def main(argv: list[str] | None = None, prog: str = "moecache-build") -> int:
             series.verify(repo, quiet=args.quiet)
         elif args.command == "status":
             print(series.status(repo))
+            line = rebase.state(repo)
+            if line:
+                print(line)
+        elif args.command == "rebase":
+            rebase.rebase(repo, onto=Path(args.onto) if args.onto else None, cont=args.cont,
+                          abort=args.abort, quiet=args.quiet)
         return 0
     except BuildError as e:
         print(f"moecache-build: error: {e}", file=sys.stderr)

@@ -1,10 +1,13 @@
 """The patch series: apply it to the pinned tree, edit it as git commits, export it back, verify it.
 
-patches/series lists the patches in order. `apply` makes vendor/llama.cpp a fresh copy of the
-pristine upstream tree with every patch applied. `edit` makes vendor/llama.cpp a git repository
-whose first commit is upstream (tag `upstream`) and which has one commit per patch, so C++ is
-edited there with ordinary git. `export` writes those commits back as patches/NNNN-topic.patch
-and series. `verify` applies the series from scratch and checks it reproduces the tree.
+patches/series lists the patches in order as `topic/name.patch`, in sections (a comment block, then
+the topic's patches). The patches only change upstream files (hooks, fields, call sites); moecache's
+own sources are in native/ and never go through the series. `apply` makes vendor/llama.cpp a fresh
+copy of the pristine upstream tree with every patch applied. `edit` makes vendor/llama.cpp a git
+repository whose first commit is upstream (tag `upstream`) and which has one commit per patch, so C++
+is edited there with ordinary git. `export` writes those commits back, each to the file its header
+names (headers.py), and series. `verify` checks every header and file and that the series applied
+from scratch reproduces the tree. `rebase` moves the series onto another llama.cpp tree (rebase.py).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..paths import is_checkout
+from . import headers
 from .upstream import PIN, BuildError, pristine_tree
 
 STAMP = ".moecache-series"  # written into an applied tree: what it was made from
-GIT_ID = ["-c", "user.name=moecache", "-c", "user.email=moecache@localhost", "-c", "commit.gpgsign=false"]
+GIT_ID = ["-c", "user.name=moecache", "-c", "user.email=moecache@localhost", "-c", "commit.gpgsign=false",
+          "-c", "core.autocrlf=false"]
 
 
 @dataclass
@@ -57,19 +62,97 @@ def find_repo(start: Path | None = None) -> Repo:
                      "Run this from the repository root, or set MOECACHE_REPO.")
 
 
+@dataclass
+class SeriesFile:
+    """patches/series as written: a preamble of comments, then sections (comment lines, entries)."""
+
+    preamble: list[str]
+    sections: list[tuple[list[str], list[str]]]
+
+    @property
+    def entries(self) -> list[str]:
+        return [e for _, entries in self.sections for e in entries]
+
+
+def parse_series(text: str) -> SeriesFile:
+    """Blocks are separated by blank lines; a first block of comments alone is the preamble; every
+    other block is a section: its comments, then its entries."""
+    preamble: list[str] = []
+    sections: list[tuple[list[str], list[str]]] = []
+    for i, block in enumerate(re.split(r"\n\s*\n", text.strip("\n"))):
+        lines = [l.rstrip() for l in block.splitlines() if l.strip()]
+        comments = [l for l in lines if l.lstrip().startswith("#")]
+        entries = [l.strip() for l in lines if not l.lstrip().startswith("#")]
+        if i == 0 and not entries:
+            preamble = comments
+        else:
+            sections.append((comments, entries))
+    return SeriesFile(preamble, sections)
+
+
+def format_series(preamble: list[str], entries: list[str], old: SeriesFile | None = None) -> str:
+    """series for these entries: each topic's section keeps its comment block from `old`; a new topic
+    gets '# <topic>'. A topic's patches stay together, in their order."""
+    kept: dict[str, list[str]] = {}
+    for comments, es in (old.sections if old else []):
+        if es:
+            kept.setdefault(es[0].split("/")[0], comments)
+    blocks = ["\n".join(preamble)] if preamble else []
+    topic, current = None, []
+    for e in entries + [None]:
+        t = e.split("/")[0] if e else None
+        if t != topic and current:
+            blocks.append("\n".join(kept.get(topic, [f"# {topic}"]) + current))
+            current = []
+        topic = t
+        if e:
+            current.append(e)
+    return "\n\n".join(blocks) + "\n"
+
+
+ENTRY_RE = re.compile(r"^[a-z][a-z0-9-]*/[a-z0-9][a-z0-9-]*\.patch$")
+
+
 def read_series(repo: Repo) -> list[str]:
+    """The entries of patches/series, checked: each `topic/name.patch`, present, listed once."""
     if not repo.series_file.is_file():
         raise BuildError(f"{repo.series_file} is missing. Create it (it may be empty) to start a patch series.")
-    names = []
-    for line in repo.series_file.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
+    names: list[str] = []
+    for line in parse_series(repo.series_file.read_text()).entries:
+        if not ENTRY_RE.match(line):
+            raise BuildError(f"patches/series names '{line}', which is not 'topic/name.patch' "
+                             "(a topic folder, a lower-case name). Move the file and fix the line.")
+        if line in names:
+            raise BuildError(f"patches/series names '{line}' twice. Remove one of the lines.")
         if not (repo.patches / line).is_file():
             raise BuildError(f"patches/series names '{line}', but patches/{line} does not exist. "
                              "Add the file or remove the line.")
         names.append(line)
     return names
+
+
+def patch_files(repo: Repo) -> list[str]:
+    """Every *.patch under patches/, as series entries would name them."""
+    return sorted(p.relative_to(repo.patches).as_posix() for p in repo.patches.rglob("*.patch"))
+
+
+def check_series(repo: Repo) -> list[str]:
+    """Every problem of the series' files and headers, each naming its fix (empty: all good)."""
+    names = read_series(repo)
+    problems = [f"patches/{f} is not in patches/series: add it to its topic's section or delete it"
+                for f in patch_files(repo) if f not in names]
+    for n in names:
+        problems += headers.check_patch(repo.root, n, headers.parse_patch(repo.patches / n))
+    return problems
+
+
+def topics(names: list[str]) -> list[str]:
+    out: list[str] = []
+    for n in names:
+        t = n.split("/")[0]
+        if t not in out:
+            out.append(t)
+    return out
 
 
 def series_digest(repo: Repo, names: list[str]) -> str:
@@ -119,6 +202,12 @@ def _hunk_number(patch: Path, path: str, line: int) -> int | None:
     return None
 
 
+def _display(patch: Path) -> str:
+    """topic/name.patch for a patch inside a patches/ folder, else its file name."""
+    parts = patch.parts
+    return "/".join(parts[parts.index("patches") + 1:]) if "patches" in parts[:-1] else patch.name
+
+
 def apply_patch(tree: Path, patch: Path) -> None:
     """Apply one patch to a plain tree; fail naming the patch, the file and the hunk."""
     # Inside another repository (the project checkout holds vendor/) git apply would take paths
@@ -130,7 +219,7 @@ def apply_patch(tree: Path, patch: Path) -> None:
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         msg = (r.stderr or r.stdout).strip()
-        raise BuildError(f"patch {patch.name} does not apply: {_hunk_failure(patch, msg)}.\n{msg}\n"
+        raise BuildError(f"patch {_display(patch)} does not apply: {_hunk_failure(patch, msg)}.\n{msg}\n"
                          "Fix it with `moecache-build edit` (rebase the commit there) and `moecache-build export`.")
 
 
@@ -236,6 +325,34 @@ def _replace_tree(new: Path, old: Path) -> None:
             shutil.copy2(src, dst, follow_symlinks=False)
 
 
+def _am_date_env(patch: Path) -> dict:
+    """Commit with the patch's own date, so that an edit repo made twice has the same commits."""
+    m = re.search(r"^Date: (.+)$", patch.read_text(errors="replace").partition("\n\n")[0], flags=re.M)
+    return {"GIT_COMMITTER_DATE": m.group(1)} if m else {}
+
+
+def _pristine_commit(tree: Path) -> None:
+    _git(tree, "init", "-q", "-b", "main")
+    _git(tree, "add", "-A", "-f")
+    _git(tree, "commit", "-q", "-m", f"upstream llama.cpp {PIN.commit}",
+         env={"GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"})
+    _git(tree, "tag", "upstream")
+
+
+def commit_series(repo: Repo, tree: Path, names: list[str]) -> None:
+    """One commit per patch of the series on a tree that is a git repository at upstream."""
+    for n in names:
+        patch = repo.patches / n
+        r = _git(tree, "am", "-q", "--keep-cr", "--whitespace=nowarn", str(patch), check=False,
+                 env=_am_date_env(patch))
+        if r.returncode != 0:
+            _git(tree, "am", "--abort", check=False)
+            # Not a mail-formatted patch, or it does not apply: retry plainly for a clear error.
+            apply_patch(tree, patch)
+            _git(tree, "add", "-A", "-f")
+            _git(tree, "commit", "-q", "-m", f"{n}\n\nTopic: {n.split('/')[0]}")
+
+
 def edit(repo: Repo, force: bool = False, quiet: bool = False) -> Path:
     """Make vendor/llama.cpp a git repo: upstream commit, then one commit per patch."""
     if applied_state(repo) == "edit" and not force:
@@ -248,20 +365,8 @@ def edit(repo: Repo, force: bool = False, quiet: bool = False) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=repo.vendor.parent, prefix=".edit-"))
     try:
         tree = _pristine_copy(tmp, quiet)
-        _git(tree, "init", "-q", "-b", "main")
-        _git(tree, "add", "-A", "-f")
-        _git(tree, "commit", "-q", "-m", f"upstream llama.cpp {PIN.commit}",
-             env={"GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"})
-        _git(tree, "tag", "upstream")
-        for n in names:
-            patch = repo.patches / n
-            r = _git(tree, "am", "-q", "--keep-cr", "--whitespace=nowarn", str(patch), check=False)
-            if r.returncode != 0:
-                _git(tree, "am", "--abort", check=False)
-                # Not a mail-formatted patch, or it does not apply: retry plainly for a clear error.
-                apply_patch(tree, patch)
-                _git(tree, "add", "-A", "-f")
-                _git(tree, "commit", "-q", "-m", _topic_of(n))
+        _pristine_commit(tree)
+        commit_series(repo, tree, names)
         if repo.vendor.exists():
             shutil.rmtree(repo.vendor)
         os.replace(tree, repo.vendor)
@@ -269,74 +374,87 @@ def edit(repo: Repo, force: bool = False, quiet: bool = False) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     if not quiet:
         print(f"moecache-build: {repo.vendor} is a git repo: tag 'upstream' + {len(names)} commit(s). "
-              "Edit, commit (one commit per patch), then `moecache-build export`.")
+              "Edit, commit (fixups folded into the commit of their topic: `git commit --fixup` + "
+              "`git rebase -i --autosquash upstream`), then `moecache-build export`.")
     return repo.vendor
 
 
-def _topic_of(name: str) -> str:
-    stem = re.sub(r"^\d+-", "", name.removesuffix(".patch"))
-    return stem.replace("-", " ")
+def _commit_entries(tree: Path) -> list[str]:
+    """Where each commit upstream..HEAD exports to: its Topic: field and its subject."""
+    r = _git(tree, "log", "--reverse", "--format=%H", "upstream..HEAD", check=False)
+    out = []
+    for sha in r.stdout.split():
+        message = _git(tree, "log", "-1", "--format=%B", sha).stdout
+        subject, _, fields = headers.parse_message(message)
+        topic = fields.get("Topic", "")
+        if not headers.TOPIC_RE.match(topic):
+            raise BuildError(f"commit {sha[:9]} ('{subject}') has no valid 'Topic:' field. Add one as the "
+                             "last paragraph of its message (`git commit --amend` or `git rebase -i`), "
+                             "with the other fields: " + ", ".join(headers.FIELDS) + ".")
+        out.append(headers.entry_for(topic, subject))
+    dups = sorted({e for e in out if out.count(e) > 1})
+    if dups:
+        raise BuildError(f"two commits export to the same file: {', '.join(dups)}. Give one of them another "
+                         "subject, or squash them into one patch.")
+    return out
 
 
 def _export_names(repo: Repo) -> list[str]:
-    """The patch names the edit repo's commits would export to."""
-    r = _git(repo.vendor, "log", "--reverse", "--format=%s", "upstream..HEAD", check=False)
-    names = []
-    for i, subject in enumerate(s for s in r.stdout.splitlines() if s.strip()):
-        slug = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")[:52].rstrip("-") or "patch"
-        names.append(f"{i + 1:04d}-{slug}.patch")
-    return names
+    return _commit_entries(repo.vendor)
 
 
-def _format_patches(repo: Repo, out: Path) -> list[Path]:
-    _git(repo.vendor, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat",
+def _format_patches(tree: Path, out: Path) -> list[Path]:
+    _git(tree, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-stat",
          "--full-index", "-N", "-o", str(out), "upstream..HEAD")
     return sorted(out.glob("*.patch"))
 
 
 def _exported_matches(repo: Repo) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
-        produced = _format_patches(repo, Path(tmp))
+        produced = _format_patches(repo.vendor, Path(tmp))
         names = _export_names(repo)
-        current = read_series(repo)
-        if names != current:
+        if names != read_series(repo):
             return False
-        return all(_patch_body(p) == _patch_body(repo.patches / n) for p, n in zip(produced, names))
+        return all(p.read_bytes() == (repo.patches / n).read_bytes() for p, n in zip(produced, names))
 
 
-def _patch_body(p: Path) -> str:
-    # The Date: line changes on every export of a rebased commit; compare what matters.
-    return "\n".join(l for l in p.read_text(errors="replace").splitlines() if not l.startswith("Date: "))
+def export_tree(repo: Repo, tree: Path, quiet: bool = False) -> list[str]:
+    """Write a tree's commits upstream..HEAD back as patches/<topic>/<name>.patch and series."""
+    with tempfile.TemporaryDirectory() as tmp:
+        produced = _format_patches(tree, Path(tmp))
+        names = _commit_entries(tree)
+        for f in patch_files(repo):
+            if f not in names:
+                (repo.patches / f).unlink()
+        for p, n in zip(produced, names):
+            target = repo.patches / n
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not (target.is_file() and target.read_bytes() == p.read_bytes()):
+                shutil.copyfile(p, target)
+    for d in sorted((d for d in repo.patches.iterdir() if d.is_dir()), reverse=True):
+        if not any(d.rglob("*")):
+            d.rmdir()
+    old = parse_series(repo.series_file.read_text()) if repo.series_file.is_file() else None
+    repo.series_file.write_text(format_series(old.preamble if old else [], names, old))
+    if not quiet:
+        print(f"moecache-build: exported {len(names)} patch(es) in {len(topics(names))} topic(s) to {repo.patches}")
+    return names
 
 
 def export(repo: Repo, quiet: bool = False) -> list[str]:
-    """Write the edit repo's commits back as patches/NNNN-topic.patch and series."""
+    """Write the edit repo's commits back to patches/ and series."""
     if applied_state(repo) != "edit":
         raise BuildError(f"{repo.vendor} is not an edit repository. Run `moecache-build edit` first, "
                          "commit your changes there, then export.")
     v = repo.vendor
+    if (v / ".git" / "rebase-merge").exists() or (v / ".git" / "rebase-apply").exists():
+        raise BuildError(f"{v} is in the middle of a rebase. Finish it (`moecache-build rebase --continue`) "
+                         "or abort it (`moecache-build rebase --abort`) first.")
     if _git(v, "status", "--porcelain", "--untracked-files=no", check=False).stdout.strip():
-        raise BuildError(f"{v} has uncommitted changes. Commit them (one commit per patch topic) and export again.")
+        raise BuildError(f"{v} has uncommitted changes. Commit them (each to the patch of its topic) and export again.")
     if _git(v, "rev-parse", "-q", "--verify", "upstream", check=False).returncode != 0:
         raise BuildError(f"{v} has no 'upstream' tag. Recreate it with `moecache-build edit --force`.")
-    with tempfile.TemporaryDirectory() as tmp:
-        produced = _format_patches(repo, Path(tmp))
-        names = _export_names(repo)
-        old = read_series(repo)
-        for n in old:
-            if n not in names:
-                (repo.patches / n).unlink()
-        for p, n in zip(produced, names):
-            target = repo.patches / n
-            # Keep the old file when only the Date: line would change, so exports are quiet in git.
-            if target.is_file() and _patch_body(target) == _patch_body(p):
-                continue
-            shutil.copyfile(p, target)
-    header = [l for l in repo.series_file.read_text().splitlines() if l.startswith("#")]
-    repo.series_file.write_text("\n".join(header + names) + "\n")
-    if not quiet:
-        print(f"moecache-build: exported {len(names)} patch(es) to {repo.patches}")
-    return names
+    return export_tree(repo, v, quiet)
 
 
 def _tree_files(root: Path) -> dict[str, Path]:
@@ -363,8 +481,13 @@ def diff_trees(a: Path, b: Path) -> list[str]:
 
 
 def verify(repo: Repo, quiet: bool = False) -> None:
-    """Apply the series from scratch and check it reproduces vendor/llama.cpp exactly."""
+    """Check every patch's file and header, then apply the series from scratch and check it
+    reproduces vendor/llama.cpp exactly."""
     names = read_series(repo)
+    problems = check_series(repo)
+    if problems:
+        shown = "\n  ".join(problems[:30]) + (f"\n  ... and {len(problems) - 30} more" if len(problems) > 30 else "")
+        raise BuildError(f"verify: {len(problems)} problem(s) in patches/:\n  {shown}")
     with tempfile.TemporaryDirectory() as tmp:
         tree = _patched_copy(repo, Path(tmp), names, quiet)
         state = applied_state(repo)
@@ -395,14 +518,34 @@ def verify(repo: Repo, quiet: bool = False) -> None:
         print(f"moecache-build: verify ok: {len(names)} patch(es) reproduce {repo.vendor} exactly.")
 
 
+def _patch_size(path: Path) -> tuple[int, int]:
+    """Lines a patch adds and removes."""
+    plus = minus = 0
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("+") and not line.startswith("+++ "):
+            plus += 1
+        elif line.startswith("-") and not line.startswith("--- ") and line != "---":
+            minus += 1
+    return plus, minus
+
+
 def status(repo: Repo) -> str:
     names = read_series(repo)
     state = applied_state(repo)
     digest = series_digest(repo, names)
     src = os.environ.get("MOECACHE_LLAMA_SRC") or "pinned sdist (cache)"
+    sizes = {n: _patch_size(repo.patches / n) for n in names}
+    ts = topics(names)
     lines = [f"upstream: llama.cpp {PIN.commit} ({PIN.sdist_package}=={PIN.sdist_version}); source: {src}",
-             f"series: {len(names)} patch(es)"]
-    lines += [f"  {n}" for n in names]
+             f"series: {len(names)} patch(es) in {len(ts)} topic(s), "
+             f"+{sum(p for p, _ in sizes.values())} -{sum(m for _, m in sizes.values())} lines",
+             f"  {'topic':<16} {'patches':>7} {'+lines':>7} {'-lines':>7} {'KiB':>6}"]
+    for t in ts:
+        mine = [n for n in names if n.split("/")[0] == t]
+        kib = sum((repo.patches / n).stat().st_size for n in mine) / 1024
+        lines.append(f"  {t:<16} {len(mine):>7} {sum(sizes[n][0] for n in mine):>7} "
+                     f"{sum(sizes[n][1] for n in mine):>7} {kib:>6.1f}")
+        lines += [f"      {n.split('/', 1)[1]}  (+{sizes[n][0]} -{sizes[n][1]})" for n in mine]
     if state == "missing":
         lines.append("vendor/llama.cpp: missing (run `moecache-build apply`)")
     elif state == "edit":

@@ -1,0 +1,327 @@
+#pragma once
+
+// Hot-expert cache (moecache): slot banks on each layer's device for the routed experts of MoE
+// layers whose experts live in host memory. The graph (build_moe_ffn) splits the experts of a
+// small batch into hits (slot bank, on the device) and misses (host tensor, on the CPU) with two
+// maps per layer, expert -> slot (or -1) and expert -> expert (or -1), given to the graph as one
+// input. Uploads run on a worker thread; a slot is published in the maps only after its copy
+// finished, and unpublished before it is overwritten, so no graph reads a slot being written.
+//
+// Lifetime: the context makes the cache (checks the parameters, decides which layers can be
+// cached) before the scheduler's first reservation, allocates the banks after it from the memory
+// that is then left, and stops the cache before it frees its backends. Every failure after the
+// parameter check (allocation, staging, upload) turns the cache, or the failed layer, off with a
+// log line: the context keeps the stock path and its output.
+
+#include "llama.h"
+#include "llama-moe.h"
+#include "llama-moe-cache-policy.h"
+
+#include "ggml-backend.h"
+#include "ggml-cpp.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct llama_model;
+struct llama_ubatch;
+class llama_memory_i;
+class llm_graph_result;
+
+struct llama_moe_cache_layer {
+    int32_t il = -1;
+    int32_t n_used = 0;        // experts routed per token in this layer
+    std::string reason;        // why the layer is not cached ("" when it is)
+
+    // the layer's routed expert tensors (any layer with experts), to recognise them in the graph
+    const ggml_tensor * routed[4] = {}; // up, gate, down, gate_up
+
+    // host expert tensors and their slot banks: (gate_up) or (up, gate), then down
+    ggml_tensor * src[3]  = {};
+    ggml_tensor * bank[3] = {};
+    size_t        slot_bytes = 0; // bytes of one expert over the layer's tensors
+    ggml_backend_dev_t dev = nullptr;
+
+    // misses on the device: the host expert tensors as seen by the layer's device (zero-copy), null when
+    // they are not mapped; whether the graphs run the misses on them now
+    ggml_tensor * mapped[3] = {};
+    bool          miss_device = false;
+    bool          src_pinned  = false; // the host tensors are page-locked: uploads need no staging
+
+    // hits and device misses in one expert FFN (ggml_mul_mat_id_table): per tensor, each expert's
+    // address (its slot in the bank, or its mapped host matrix), on the layer's device; null when the
+    // device cannot read such a table. table_tokens: the largest batch its device runs them for
+    ggml_tensor * table[3]     = {};
+    int32_t       table_dev    = -1; // index in llama_moe_cache::tables
+    size_t        table_offset = 0;  // the layer's first entry in that device's tables
+    int32_t       table_tokens = 0;
+
+    // the routed ids of cache-active graphs, [n_used * max_batch] I32 on the layer's device (a view of
+    // one tensor per device, read back in one copy)
+    ggml_tensor * ids_out = nullptr;
+    int32_t       readback = -1;     // index in llama_moe_cache::readbacks
+    size_t        ids_offset = 0;    // elements of ids_out into the readback's tensor
+
+    std::unique_ptr<llama_moe_layer_policy> policy;
+    std::vector<int32_t> pins;           // pinned experts, kept while the banks are suspended
+    std::vector<int32_t> published;      // expert -> published slot, -1
+    std::vector<int32_t> slot_published; // slot -> published expert, -1
+    int32_t              n_published = 0;
+    bool                 complete    = false; // every expert in a published slot: no misses to run
+
+    llama_moe_cache_stats stats = {};
+    std::vector<uint16_t> recent_hits;   // per token of the recent window: hits of that token
+    std::vector<uint32_t> heat;          // expert -> tokens routed to it since the stats were reset (its heat)
+    size_t                recent_pos = 0;
+    uint64_t              recent_n   = 0;
+
+    bool cached() const { return reason.empty() && policy != nullptr; }
+};
+
+struct llama_moe_cache {
+    // checks the parameters (std::invalid_argument names the bad one) and which layers can be
+    // cached; allocates nothing
+    llama_moe_cache(const llama_model & model, const llama_moe_cache_params & params);
+    ~llama_moe_cache();
+
+    // sizes and allocates the slot banks after the scheduler's reservation, from what is free on each
+    // device minus the headroom (`context_bytes`: what the context holds per device, for the host
+    // test device); a dry run (no_alloc) reserves nothing, the banks take what the fit leaves
+    void allocate(bool no_alloc, const std::map<ggml_backend_dev_t, size_t> & context_bytes);
+
+    // stops the upload worker and frees the banks (the layers keep `why` as their reason); the context
+    // calls it before it frees its backends, and when the banks leave too little for the compute buffers
+    void stop(const char * why = "the context is being freed");
+
+    // --- graph side (const: the graph build must not change the cache)
+
+    // whether these are layer il's routed experts (not, e.g., GroveMoE's chunk experts)
+    bool is_routed(int32_t il, const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
+            const ggml_tensor * gate_up) const;
+
+    // the layer's banks when batches of n_tokens use the cache for this layer and these tensors, else null
+    const llama_moe_cache_layer * graph_layer(int32_t il, int64_t n_tokens, const ggml_tensor * up,
+            const ggml_tensor * gate, const ggml_tensor * down, const ggml_tensor * gate_up) const;
+
+    // whether the layer's misses run on its device in the graph being built (reservations: whenever
+    // they can, the larger graph on the device)
+    bool miss_on_device(const llama_moe_cache_layer & l) const { return l.mapped[0] && (reserving || l.miss_device); }
+    // whether the graphs run the layer's miss branch: not while every expert is in a slot (reservations
+    // keep it, so the compute buffers fit either graph)
+    bool runs_misses(const llama_moe_cache_layer & l) const { return reserving || !l.complete; }
+    // whether batches of n_tokens run the layer's hits and misses in one expert FFN over its tables;
+    // reservations build the two branches, the larger graph, so the compute buffers fit either
+    bool runs_table(const llama_moe_cache_layer & l, int64_t n_tokens) const {
+        return l.table[0] && !reserving && l.miss_device && n_tokens <= l.table_tokens;
+    }
+    // changes whenever a layer's misses move or it becomes complete (graph topology depends on both)
+    uint64_t routes_version() const { return routes_ver; }
+    // set by the context while it builds the graphs it reserves
+    mutable bool reserving = false;
+
+    // whether a batch of n_tokens uses the cache (graph topology depends on it)
+    bool active_for(int64_t n_tokens, bool warmup) const;
+    // whether graphs must output the routed ids of MoE layers (cache active or routing trace on)
+    bool observing(int64_t n_tokens, bool warmup) const;
+
+    int32_t n_expert() const { return n_exp; }
+    int32_t n_layer () const { return (int32_t) layers.size(); }
+    // host copy of the maps: [n_expert, 2*n_layer] I32, row 2*il = expert -> slot, row 2*il+1 = expert or -1
+    const std::vector<int32_t> & maps() const { return maps_host; }
+
+    // --- context side
+
+    // start of every decode and before each later ubatch of it: commit the routing of accepted tokens
+    // (those the memory holds: a decode's earlier ubatches count as accepted), publish finished uploads,
+    // plan new ones
+    void step(ggml_backend_sched_t sched, const llama_memory_i * memory);
+    // after each ubatch's graph: read back the routed ids (async; consumed by the next step)
+    void after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch, bool warmup);
+
+    bool wanted () const { return wanted_slots > 0; }
+    bool fail_reserve(); // test-only (LLAMA_MOE_CACHE_FAIL=reserve): the reservation with the banks fails
+    bool enabled() const { return n_cached > 0; }
+    void reset_stats();
+    bool get_stats(int32_t il, llama_moe_cache_stats & out) const;
+    int32_t resident(int32_t il, int32_t * experts, int32_t n_max) const;
+    int32_t pin(int32_t il, int32_t expert);
+    void rebalance(ggml_backend_sched_t sched, const llama_memory_i * memory);
+    void flush(ggml_backend_sched_t sched, const llama_memory_i * memory) { commit(sched, memory); }
+    std::string stats_json() const;
+    bool set_trace(const char * path);
+    void print_stats() const;
+    const char * layer_reason(int32_t il) const;
+
+    // --- prefill-phase swap (llama_context::prefill_swap_begin/end)
+
+    // waits for the uploads in flight, unpublishes every slot and frees the banks; the layers stay
+    // eligible for resume(). With collect_routing the prompt's routed experts are counted per layer
+    // for a warm resume. Returns the bytes freed.
+    size_t suspend(bool collect_routing);
+    // allocates the banks again (at most the slots they had, from what is free minus the headroom)
+    // and, with warm, queues uploads of the experts the prompt routed most (published only after their
+    // copies, as every upload); fail_upload fails the first of them (LLAMA_PREFILL_SWAP_FAIL=upload).
+    // false when no bank could be allocated: the cache stays suspended (stock path) until the next resume
+    bool resume(const std::map<ggml_backend_dev_t, size_t> & context_bytes, bool warm, bool fail_upload, int32_t max_slots = 0);
+    // the prompt's routing is no longer counted (every end of a swap, whether the cache came back or not)
+    void end_collecting() { collecting = false; prompt_counts.clear(); }
+    // the prompt's counts are kept for the warm restore, but no more graphs read the routing back
+    void stop_collecting() { collecting = false; }
+    bool    suspended() const { return is_suspended; }
+    int32_t slots() const { return n_slots; }
+    size_t  bytes_banks() const;
+    // uploads queued by warm resumes; routing of the first tokens decoded after each resume
+    uint64_t warm_uploads() const { return n_warm_uploads; }
+    uint64_t warm_dropped() const { return n_warm_dropped; }
+    uint64_t warm_upload_failures() const { return n_warm_failed; }
+    void after_resume(uint64_t & n_tokens, uint64_t & hits, uint64_t & misses) const;
+
+    // bytes of the slot banks per buffer type
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const;
+    // bytes of one slot of every layer the cache takes (or took), and how many layers, per device
+    std::map<ggml_backend_dev_t, std::pair<size_t, int32_t>> slot_bytes_by_dev() const;
+
+    llama_moe_cache_params params;
+
+private:
+    struct upload_job {
+        int32_t il;
+        int32_t slot;
+        int32_t expert;
+        bool    ok = false;
+        std::string error;
+        bool    warm = false; // queued by a warm resume
+    };
+    struct pending_layer {
+        int32_t il;
+        int32_t n_used;
+        bool    split;              // the graph ran this layer's hits on its slot bank
+        std::vector<int32_t> ids;   // [n_rows * n_used], filled async
+        int32_t readback = -1;      // >= 0: ids are still in that readback's host copy (n_rows rows)
+        int64_t n_rows   = 0;
+    };
+    struct pending_ubatch {
+        std::vector<pending_layer> layers;
+        std::vector<int32_t> seq, pos;
+        std::vector<int32_t> out_row; // per token: its row among the output tokens, -1 (the last layer only sees those)
+        int32_t n_out = 0;
+        bool    cache_active = false;
+    };
+
+    // test-only fault injection (LLAMA_MOE_CACHE_FAIL): whether the n-th try of a step fails
+    static bool fail_now(int64_t at, int64_t n);
+
+    void disable(const std::string & why);                 // the whole cache: stock path from now on
+    void release_banks(const std::string & why);           // disable() and free the banks (before any graph used them)
+    void disable_layer(llama_moe_cache_layer & l, const std::string & why);
+    void commit(ggml_backend_sched_t sched, const llama_memory_i * memory);
+    void count_token(const pending_ubatch & ub, size_t t);
+    void publish_done();
+    void plan_uploads(ggml_backend_sched_t sched, bool force);
+    void worker_main();
+    void run_job(upload_job & job);
+    void set_map(int32_t il, int32_t expert, int32_t slot);
+    void map_host_experts();       // mapped[] of the layers whose device reads host memory in place
+    void make_tables();            // table[] of the mapped layers whose device reads address tables
+    void table_entry(llama_moe_cache_layer & l, int32_t expert); // from published[] into the host copy
+    void flush_tables();           // the changed entries to the devices (between graphs)
+
+    // one I64 tensor per device holding its layers' tables, a host copy, and the range written since
+    // the last flush
+    struct expert_tables {
+        ggml_tensor *        all = nullptr;
+        std::vector<int64_t> host;
+        size_t               lo = SIZE_MAX, hi = 0;
+    };
+    std::vector<expert_tables> tables;
+    void make_readbacks();         // ids_out and the readbacks
+    void take_readbacks();         // pending layers' ids out of the host copies (after a synchronize)
+    void update_routes();          // AUTO: each layer's misses on the CPU or the device
+
+    // prefill-phase swap
+    bool     is_suspended = false;
+    bool     resuming     = false;   // allocate() logs its summary at debug level
+    int32_t  resume_slots = 0;       // the most slots the banks had: what a resume asks for
+    bool     collecting   = false;   // count the routing of uncached batches (the prompt) per layer
+    std::vector<uint32_t> prompt_counts; // [n_layer * n_expert]
+    uint64_t n_warm_uploads = 0;
+    uint64_t n_warm_dropped = 0;     // queued warm uploads that a following suspension dropped before they ran
+    uint64_t n_warm_failed  = 0;
+    int32_t  after_resume_left = 0;  // tokens still counted in the after-resume stats
+    uint64_t after_resume_tokens = 0, after_resume_hits = 0, after_resume_misses = 0;
+    std::atomic<bool> fail_next_upload { false };
+
+    int32_t n_exp  = 0;
+    int32_t n_cached = 0;
+    int32_t n_slots  = 0;
+    int32_t wanted_slots = 0; // slots asked for (or bought by size_mib), before the memory clamp
+    size_t  bytes_all = 0;    // bytes of one slot over every cacheable layer
+    bool    host_device = false; // test-only: banks in host memory when the layer runs on the CPU
+    bool    hold_empty  = false; // test-only: never upload
+    int32_t upload_delay_ms = 0; // test-only: each upload takes this much longer
+    double  host_device_mib = -1.0; // test-only: memory of the host test device in MiB, < 0 = unlimited
+    double  host_device_taken_mib = 0.0; // test-only: what that device loses after the first allocation
+    std::map<ggml_backend_dev_t, size_t> free_first; // free memory per device at the first allocation
+
+    // LLAMA_MOE_CACHE_FAIL: fail the Nth bank allocation / staging allocation / upload (0 = never, -1 = every one)
+    int64_t fail_alloc_at   = 0;
+    int64_t fail_staging_at = 0;
+    int64_t fail_reserve_at = 0;
+    int64_t fail_upload_at  = 0;
+    int64_t n_allocs  = 0;
+    int64_t n_uploads_tried = 0; // counted on the worker thread
+
+    std::vector<llama_moe_cache_layer> layers;
+    std::vector<int32_t>               maps_host;
+
+    // misses on the device; routed ids read back once per device and ubatch
+    struct readback {
+        ggml_tensor *           ids = nullptr;  // on the device
+        ggml_backend_buffer_ptr host_buf;       // pinned copy target, or null (host_plain)
+        std::vector<int32_t>    host_plain;
+        int32_t *               host = nullptr;
+        bool                    busy = false;   // holds ids of a pending ubatch
+    };
+    std::vector<readback>                readbacks;
+    std::vector<ggml_context_ptr>        aux_ctxs;  // mapped views, ids tensors: kept across suspensions
+    std::vector<ggml_backend_buffer_ptr> aux_bufs;
+    std::map<ggml_backend_buffer_type_t, size_t> aux_bytes; // device memory of the ids tensors
+    bool     aux_made   = false;
+    uint64_t routes_ver = 0;
+    uint64_t n_steps    = 0; // step() calls: one per decode and per later ubatch of it; step_ms_total / n_steps is the mean
+    bool     use_tables = true;  // LLAMA_MOE_CACHE_TABLE=0 turns the one expert FFN off
+    int32_t  upload_boost = 1;      // this step's upload cap = max_uploads * upload_boost
+    bool     capped_last  = false;  // a layer's last plan was cut by the cap
+    uint64_t n_route_switches = 0;
+    uint64_t n_route_steps    = 0;
+    int64_t  fail_map_at = 0; // LLAMA_MOE_CACHE_FAIL=map
+    int64_t  n_maps      = 0;
+
+    std::vector<ggml_context_ptr>        ctxs;
+    std::vector<ggml_backend_buffer_ptr> bufs;
+    std::map<ggml_backend_buffer_type_t, size_t> bank_bytes; // allocated, per buffer type
+
+    // uploads
+    std::thread             worker;
+    std::mutex              mutex;
+    std::condition_variable cv;
+    std::deque<upload_job>  queue;
+    std::vector<upload_job> finished;
+    bool                    stopping = false;
+    int32_t                 in_flight = 0;
+    ggml_backend_buffer_ptr staging_buf; // pinned; null when the device has no host buffer type (direct copies)
+
+    std::deque<pending_ubatch> pending; // a deque: async reads target its elements, which must not move
+    llama_moe_cache_stats totals_extra = {}; // batch counters and step timings (not per layer)
+
+    struct file_closer { void operator()(FILE * f) const { fclose(f); } };
+    std::unique_ptr<FILE, file_closer> trace;
+};
