@@ -13,7 +13,7 @@ SUBCOMMANDS = {
     "cache-sim": ("moecache.cache_sim", "replay a routing trace through the hot-expert cache's policies"),
     "plan": ("moecache.plan", "plan each GPU's memory for a model, a context and its users; print the server command"),
     "tune": ("moecache.tune", "choose the cache's policy, settings and slots from a routing trace of your traffic"),
-    "calibrate-routing": ("moecache.routing_calibration", "fit a synthetic preset's routing strength to published LRU hit rates"),
+    "calibrate-routing": ("moecache.synth.calibration", "fit a synthetic preset's routing strength to published LRU hit rates"),
 }
 
 

@@ -3,7 +3,7 @@
 The figures are the library's own: llama-server --memory-probe makes the model and the context of the
 planned arguments without reading a weight (llama.cpp's no_alloc load, as its --fit does) and reports
 per device the weights, the KV cache, the compute buffers and what one hot-expert cache slot per cached
-layer costs (patches 0072-0073). The plan adds nothing of its own but the arithmetic of the budget:
+layer costs (the memory-plan topic). The plan adds nothing of its own but the arithmetic of the budget:
 
     slots = (budget - weights - KV - compute - headroom) / slot bytes        (per GPU, the smallest wins)
 
@@ -87,7 +87,7 @@ def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | Non
         args += ["--cpu-moe", "--no-repack", "-lm", "none"]
         # the misses (all of the routed experts without a cache) are computed on the CPU one token at a time:
         # on huge pages, one run of rows per thread and four Q4_0 rows at once they stream up to twice as fast,
-        # with the same results (patches 0075, 0077, 0079, 0080); the user's own setting of each stays
+        # with the same results (huge pages, the flat split, the four-row dots); the user's own setting of each stays
         args += CPU_EXPERT_FLAGS
     if slots:
         args += ["--moe-cache-slots", str(slots)]
@@ -398,7 +398,7 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
     env = dict(environ)
     user_places_experts = False
     if req.probe_args:
-        from .server import EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, user_decides
+        from .options import EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, user_decides
 
         user_places_experts = user_decides(req.probe_args, environ, EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV)
 
@@ -407,7 +407,7 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
             # what the server will run: the plan's flags the command line leaves open, then the command line
             # (--cpu-moe, -ncmoe and -ot add up rather than the last one winning, so no plan flag may stay
             # beside one of the user's)
-            from .server import planned_args
+            from .options import planned_args
 
             args = planned_args(args, req.probe_args, environ) + list(req.probe_args)
         return probe(req.model, args + list(last), env, binary, routing_readback)
@@ -506,8 +506,8 @@ def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: i
     prompt each repetition), whose medians go under "repeated"."""
     import statistics
 
-    from .server import ServerError, ServerProcess
-    from .synth import default_texts
+    from .process import ServerError, ServerProcess
+    from .texts import default_texts
 
     n_ctx = plan.request.ctx
     n = prompt_tokens or plan.request.prompt_tokens or min(4096, n_ctx - decode_tokens - 16)

@@ -9,41 +9,44 @@ exist and be a GGUF file), so a typo gives a clear message instead of a C++ stac
 hot-expert cache on (experts in host memory, 16 slots per layer on the GPU; without a CUDA device
 the slots live in host memory, the library's test device), stats at /moe-cache and /metrics.
 
-The module also has `ServerProcess`, a context manager that starts llama-server on a free
-loopback port and waits until it is healthy; the tests and `moecache bench` use it.
+`ServerProcess` (process.py: llama-server on a free loopback port, for the tests, `moecache bench` and
+`moecache plan --measure`) and the option tables (options.py) are importable from here too.
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from .api import _FALSE_WORDS, CPU_EXPERT_OPTIONS, MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
 from .gguf import check_model_file
+from .options import (_FALSE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAGS, CTX_ENV, CTX_FLAGS, EXPERT_PLACEMENT_ENV,
+                      EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS, MODEL_ENV, MODEL_FLAGS,
+                      PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV, PORT_FLAGS, REPACK_ENV, REPACK_FLAGS,
+                      UBATCH_ENV, UBATCH_FLAGS, _env_set, find_flag_value, has_flag, planned_args, setting_value,
+                      user_decides)
 
-DEFAULT_HOST = "127.0.0.1"
+
+from .process import (DEFAULT_HOST, ServerError, ServerProcess, die_with_parent_hook, free_port,  # noqa: F401
+                      http_request, server_binary)
+
+
+_server_binary = server_binary  # looked up at each call, so that tests can replace it
+
 DEFAULT_PORT = 8080
 DEMO_PRESET = "demo"
 DEMO_SEED = 0
 DEMO_CTX = 4096
 
 EXIT_USAGE = 2
-
-
-class ServerError(RuntimeError):
-    """llama-server could not be started or did not become healthy."""
 
 
 # --------------------------------------------------------------------------- argument handling
@@ -126,81 +129,9 @@ def dashboard_args(wanted: bool | None, args: Sequence[str], environ) -> list[st
     return ["--path", str(dashboard_dir())]
 
 
-def find_flag_value(args: Sequence[str], names: Iterable[str]) -> str | None:
-    """Value of the last occurrence of a flag in `args` (`-m X`, `--model X` or `--model=X`)."""
-    names = tuple(names)
-    value = None
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a in names:
-            value = args[i + 1] if i + 1 < len(args) else ""
-            i += 2
-            continue
-        for n in names:
-            if n.startswith("--") and a.startswith(n + "="):
-                value = a[len(n) + 1:]
-        i += 1
-    return value
-
-
-def has_flag(args: Sequence[str], names: Iterable[str]) -> bool:
-    names = tuple(names)
-    return any(a in names or any(n.startswith("--") and a.startswith(n + "=") for n in names)
-               for a in args)
-
-
-# each llama-server setting --demo touches: its flags and the environment variables that set it
-# (llama-server's arg table, common/arg.cpp). llama-server reads the variables first and lets flags
-# override them, so a flag the demo added would silently beat the user's environment: every
-# setting below is added only when neither the user's flags nor their environment decide it.
-MODEL_FLAGS = ("-m", "--model")
-MODEL_ENV = ("LLAMA_ARG_MODEL",)
-HOST_FLAGS = ("--host",)
-HOST_ENV = ("LLAMA_ARG_HOST",)
-PORT_FLAGS = ("--port",)
-PORT_ENV = ("LLAMA_ARG_PORT",)
-CTX_FLAGS = ("-c", "--ctx-size")
-CTX_ENV = ("LLAMA_ARG_CTX_SIZE",)
-
 # --demo shows the hot-expert cache
 DEMO_CACHE_SLOTS = 16
-CACHE_SIZE_OPTIONS = ("moe_cache_slots", "moe_cache_size_mib")  # the cache's other options tune it, not size it
-CACHE_SIZE_FLAGS = tuple(MOE_CACHE_OPTIONS[o].flag for o in CACHE_SIZE_OPTIONS)
-CACHE_SIZE_ENV = tuple(v for o in CACHE_SIZE_OPTIONS for v in MOE_CACHE_OPTIONS[o].env_names)
-EXPERT_PLACEMENT_FLAGS = ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor")
-EXPERT_PLACEMENT_ENV = ("LLAMA_ARG_CPU_MOE", "LLAMA_ARG_N_CPU_MOE", "LLAMA_ARG_OVERRIDE_TENSOR")
-REPACK_FLAGS = ("--repack", "-nr", "--no-repack")
-REPACK_ENV = ("LLAMA_ARG_REPACK", "LLAMA_ARG_NO_REPACK")  # llama.cpp also reads LLAMA_ARG_NO_<X> of a negatable flag
-METRICS_FLAGS = ("--metrics",)
-METRICS_ENV = ("LLAMA_ARG_ENDPOINT_METRICS",)
 HOST_DEVICE_ENV = "LLAMA_MOE_CACHE_HOST_DEVICE"  # test device: the slot banks in host memory
-
-# --plan auto: what a plan sets, as (the flags that set it, the variables that set it); the plan's flag is
-# the first. A setting the user's flags or environment decide is left to them.
-PARALLEL_FLAGS = ("-np", "--parallel")
-PARALLEL_ENV = ("LLAMA_ARG_N_PARALLEL",)
-UBATCH_FLAGS = ("-ub", "--ubatch-size")
-UBATCH_ENV = ("LLAMA_ARG_UBATCH",)
-PLAN_SETTINGS = {
-    "-ngl": (("-ngl", "--gpu-layers", "--n-gpu-layers"), ("LLAMA_ARG_N_GPU_LAYERS",)),
-    "-c": (CTX_FLAGS, CTX_ENV),
-    "-np": (PARALLEL_FLAGS, PARALLEL_ENV),
-    "-ub": (UBATCH_FLAGS, UBATCH_ENV),
-    "-b": (("-b", "--batch-size"), ("LLAMA_ARG_BATCH",)),
-    "--cpu-moe": (EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV),
-    "--no-repack": (REPACK_FLAGS, REPACK_ENV),
-    "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
-    "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),
-    "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
-    # the CPU's expert switches: ggml's own variables count as the user's setting too (a 0 there stays off)
-    "--host-hugepages": (("--host-hugepages", "--no-host-hugepages"),
-                         ("LLAMA_ARG_HOST_HUGEPAGES", "GGML_CUDA_HOST_HUGEPAGES")),
-    "--cpu-experts-flat": (("--cpu-experts-flat", "--no-cpu-experts-flat"),
-                           (*CPU_EXPERT_OPTIONS["cpu_experts_flat"].env_names, "GGML_CPU_MMID_FLAT")),
-    "--cpu-experts-x4": (("--cpu-experts-x4", "--no-cpu-experts-x4"),
-                         (*CPU_EXPERT_OPTIONS["cpu_experts_x4"].env_names, "GGML_CPU_DOT_X4")),
-}
 
 
 # --------------------------------------------------------------------------- demo model
@@ -250,27 +181,6 @@ def cuda_devices(exe) -> list[str] | None:
         if m and m.group(1).startswith("CUDA"):
             names.append(m.group(1))
     return names
-
-
-def _env_set(environ: Mapping[str, str], names: Iterable[str]) -> bool:
-    return any(environ.get(n, "").strip() for n in names)
-
-
-def user_decides(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str]) -> bool:
-    """Whether the user's llama-server flags or environment set a setting."""
-    return has_flag(args, flags) or _env_set(environ, env)
-
-
-def setting_value(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str],
-                  default: str) -> str:
-    """The value llama-server will use for a setting: the last flag, else the environment, else `default`."""
-    value = find_flag_value(args, flags)
-    if value is not None:
-        return value
-    for name in env:
-        if environ.get(name, "").strip():
-            return environ[name].strip()
-    return default
 
 
 def demo_server_setup(rest: Sequence[str], environ: Mapping[str, str]) -> tuple[list[str], str, str]:
@@ -340,28 +250,7 @@ def plan_request_from_args(model: str, rest: Sequence[str], environ: Mapping[str
                    gpu_mem_gib=budgets, probe_args=list(rest))
 
 
-def planned_args(plan_args: Sequence[str], rest: Sequence[str], environ: Mapping[str, str]) -> list[str]:
-    """The plan's flags the user's own flags and environment leave open, in the plan's order."""
-    out: list[str] = []
-    i = 0
-    while i < len(plan_args):
-        flag = plan_args[i]
-        takes_value = i + 1 < len(plan_args) and not plan_args[i + 1].startswith("-")
-        pair = list(plan_args[i:i + 2]) if takes_value else [flag]
-        flags, env = PLAN_SETTINGS.get(flag, ((flag,), ()))
-        if not user_decides(rest, environ, flags, env):
-            out += pair
-        i += len(pair)
-    return out
-
-
 # --------------------------------------------------------------------------- running the server
-
-
-def _server_binary() -> Path:
-    from .paths import binary
-
-    return binary("llama-server")
 
 
 def _announce_when_ready(proc: subprocess.Popen, url: str, out) -> None:
@@ -377,34 +266,6 @@ def _announce_when_ready(proc: subprocess.Popen, url: str, out) -> None:
             time.sleep(0.25)
 
     threading.Thread(target=poll, name="moecache-ready", daemon=True).start()
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_parent_hook():
-    """A preexec_fn for Popen that makes the child get SIGTERM when this process dies, even by
-    SIGKILL (Linux: prctl(PR_SET_PDEATHSIG)), so no llama-server is left serving its port without
-    its launcher. None where that is not available. The signal follows the thread that starts the
-    child: call Popen from a thread that lives as long as the child (run_forwarding waits in it)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def hook():
-        if prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                 ctypes.c_ulong(0)) != 0:
-            return  # not allowed here: run without it, as before
-        if os.getppid() != parent:  # the parent died between fork and prctl: no signal will come
-            os._exit(1)
-
-    return hook
 
 
 def run_forwarding(cmd: Sequence[str], env: Mapping[str, str] | None = None, ready_url: str | None = None) -> int:
@@ -572,170 +433,6 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         print(f"moecache-server: {e}", file=sys.stderr)
         return 1
     return run_forwarding([str(exe), *rest], env=env, ready_url=ready_url)
-
-
-# --------------------------------------------------------------------------- helper for tests and bench
-
-
-def free_port(host: str = DEFAULT_HOST) -> int:
-    """A TCP port that is free on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def http_request(url: str, method: str = "GET", body: object = None, timeout: float = 600.0
-                 ) -> tuple[int, object]:
-    """One HTTP request to a loopback server; returns (status, parsed JSON or text)."""
-    from urllib.parse import urlsplit
-
-    u = urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        conn.request(method, u.path + (f"?{u.query}" if u.query else ""), body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-        try:
-            return resp.status, json.loads(raw)
-        except ValueError:
-            return resp.status, raw.decode(errors="replace")
-    finally:
-        conn.close()
-
-
-class ServerProcess:
-    """llama-server on 127.0.0.1 for tests and benchmarks.
-
-        with ServerProcess("model.gguf", args=["-c", "512", "-t", "2"]) as srv:
-            status, body = srv.post("/completion", {"prompt": "def", "n_predict": 8})
-
-    The server's stdout and stderr go to a log file (`.log_text()`); if the server exits or does
-    not become healthy within `timeout` seconds, ServerError carries the last lines of that log.
-    """
-
-    def __init__(self, model: str | os.PathLike, args: Sequence[str] = (), port: int | None = None,
-                 env: Mapping[str, str] | None = None, host: str = DEFAULT_HOST,
-                 timeout: float = 120.0, log_path: str | os.PathLike | None = None):
-        self.model = str(model)
-        self.args = [str(a) for a in args]
-        self.host = host
-        self.port = port
-        self.env = dict(env or {})
-        self.timeout = timeout
-        self.proc: subprocess.Popen | None = None
-        self._own_log = log_path is None
-        self.log_path = Path(log_path) if log_path else None
-        self.returncode: int | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def command(self) -> list[str]:
-        return [str(_server_binary()), "-m", self.model, "--host", self.host, "--port", str(self.port),
-                *self.args]
-
-    def log_text(self) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return self.log_path.read_text(errors="replace")
-
-    def _tail(self, n: int = 40) -> str:
-        lines = self.log_text().splitlines()[-n:]
-        return "\n".join("    " + line for line in lines) or "    (the log is empty)"
-
-    def start(self) -> "ServerProcess":
-        problem = check_model_file(self.model)
-        if problem:
-            raise ServerError(problem)
-        fixed_port = self.port is not None
-        for attempt in range(3):
-            if not fixed_port:
-                self.port = free_port(self.host)
-            if self._own_log:
-                self.cleanup()  # the log of a failed earlier attempt
-                fd, name = tempfile.mkstemp(prefix="moecache-server-", suffix=".log")
-                os.close(fd)
-                self.log_path = Path(name)
-            env = dict(os.environ)
-            env.update(self.env)
-            with open(self.log_path, "wb") as log:
-                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, env=env,
-                                             start_new_session=os.name == "posix")
-            try:
-                self._wait_healthy()
-                return self
-            except ServerError:
-                bind_race = "couldn't bind" in self.log_text()
-                if fixed_port or not bind_race or attempt == 2:
-                    raise
-            except BaseException:  # Ctrl-C while waiting: leave no server behind
-                self.stop()
-                raise
-        return self
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        last = "no answer yet"
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                self.returncode = rc
-                raise ServerError(
-                    f"llama-server exited with status {rc} before it became healthy.\n"
-                    f"  command: {' '.join(self.command)}\n  last log lines:\n{self._tail()}")
-            try:
-                status, body = http_request(self.url + "/health", timeout=2.0)
-                if status == 200:
-                    return
-                last = f"HTTP {status}: {body}"
-            except (OSError, http.client.HTTPException) as e:
-                last = str(e)
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(
-                    f"llama-server did not become healthy within {self.timeout:.0f} s (last /health: {last}).\n"
-                    f"  command: {' '.join(self.command)}\n  last log lines:\n{self._tail()}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, wait up to `timeout` seconds, then SIGKILL. Returns the exit status."""
-        if self.proc is None:
-            return self.returncode
-        if self.proc.poll() is None:
-            try:
-                self.proc.send_signal(signal.SIGTERM)
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            except ProcessLookupError:
-                pass
-        self.returncode = self.proc.returncode
-        return self.returncode
-
-    def get(self, path: str, timeout: float = 600.0) -> tuple[int, object]:
-        return http_request(self.url + path, "GET", None, timeout)
-
-    def post(self, path: str, body: object, timeout: float = 600.0) -> tuple[int, object]:
-        return http_request(self.url + path, "POST", body, timeout)
-
-    def cleanup(self) -> None:
-        """Remove the log file this object created."""
-        if self._own_log and self.log_path is not None and self.log_path.exists():
-            self.log_path.unlink()
-
-    def __enter__(self) -> "ServerProcess":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.stop()
-        if exc_type is None:
-            self.cleanup()
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def swap_options(rows: list[dict], round_to: int = 64) -> dict:
 
 
 def _tables() -> dict:
-    from .api import MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
+    from .options import MOE_CACHE_OPTIONS, PREFILL_SWAP_OPTIONS
 
     return {"expert cache": MOE_CACHE_OPTIONS, "prefill swap": PREFILL_SWAP_OPTIONS}
 
@@ -223,7 +223,7 @@ def load_config(path: str | Path) -> dict:
     if data.get("version") != CONFIG_VERSION:
         raise ConfigError(f"{path}: tune config version {data.get('version')!r}, this moecache reads "
                           f"{CONFIG_VERSION}. Fix: run `moecache tune` again")
-    from .api import _feature_options
+    from .options import _feature_options
 
     tables = _tables()
     known = {name for t in tables.values() for name in t}
@@ -242,7 +242,7 @@ def load_config(path: str | Path) -> dict:
 def config_args(options: dict, user_args, environ) -> list[str]:
     """The llama-server flags of a tune config's options that neither the user's flags nor their environment
     already set (theirs win; llama-server lets a flag beat a variable, so ours would beat their variable)."""
-    from .server import has_flag
+    from .options import has_flag
 
     table = _option_table()
     out = []

@@ -413,7 +413,7 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             bos = [2] if body.get("add_special") else []
             self.reply({"tokens": bos + [ord(c) for c in body["content"]]}); return
-        if self.path.startswith("/slots/"):  # patch 0038's endpoint, when FAKE_SLOT_COPY is set
+        if self.path.startswith("/slots/"):  # the slot-copy endpoint, when FAKE_SLOT_COPY is set
             src = int(self.path[len("/slots/"):].split("?")[0])
             if "FAKE_SLOT_COPY" not in os.environ or not self.path.endswith("?action=copy"):
                 self.reply({"error": {"code": 400, "message": "Invalid action", "type": "invalid_request_error"}}, 400)
@@ -755,7 +755,7 @@ def test_display_path_hides_the_machine_prefix(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- concurrency, speculation, templates,
-# --------------------------------------------------------------------------- models from a package (issue 4)
+# --------------------------------------------------------------------------- models from a package
 
 SPEC = GOOD.replace('max_tokens = 8', 'max_tokens = 8\nusers = [1, 3]').replace(
     '["-c", "512"]', '["-c", "512", "-np", "3"]').replace(
@@ -1036,7 +1036,7 @@ def test_report_leaves_out_speculation_without_drafts():
 
 
 # --------------------------------------------------------------------------- VRAM budget (ballast) and the
-# --------------------------------------------------------------------------- prefill-phase swap (issue 10)
+# --------------------------------------------------------------------------- prefill-phase swap
 
 FAKE_BALLAST = r'''#!PYTHON
 """Stands in for python -m moecache.bench.ballast: notes "ready" in FAKE_LOG, prints the ready line of a
@@ -1582,7 +1582,7 @@ def test_a_failed_copy_names_the_servers_message_and_the_fix(answer, message):
     with pytest.raises(runner.BenchError) as e:
         runner.fill_depth(srv, [7] * 300, 3, True, mode="copy")
     assert message in str(e.value)
-    assert 'the server needs the slot-copy patch 0038; or set depth_fill = "prefill"' in str(e.value)
+    assert 'the server needs the slot-copy endpoint (POST /slots/N?action=copy); or set depth_fill = "prefill"' in str(e.value)
 
 
 def copy_fill_run(depth_fill: str) -> dict:
@@ -1652,7 +1652,7 @@ def test_runner_without_the_slot_copy_patch_fails_the_depth_with_the_fix(tmp_pat
     path = write_scenario(tmp_path, DEEP_USERS.replace('users = [1, 3]', 'users = [1, 3]\ndepth_fill = "copy"'))
     assert bench.main([str(path), "--out", str(tmp_path / "results"), "--arms", "base"]) == 1
     err = capsys.readouterr().err
-    assert "(HTTP 400): Invalid action. Fix: the server needs the slot-copy patch 0038; or set depth_fill" in err
+    assert "(HTTP 400): Invalid action. Fix: the server needs the slot-copy endpoint (POST /slots/N?action=copy); or set depth_fill" in err
     assert _fills(fake_server_bin) == [0, 0]  # it never fell back to prefilling the other slots
 
 

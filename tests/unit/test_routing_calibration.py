@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moecache import routing_calibration as rc
+from moecache.synth import calibration as rc
 from moecache import synth
 
 

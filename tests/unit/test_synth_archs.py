@@ -10,7 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from moecache import synth, synth_archs
+from moecache import synth
+from moecache.synth import archs as synth_archs
 from moecache.gguf import GGMLType, GGUFReader, ValueType
 
 GiB = 1 << 30

@@ -421,7 +421,7 @@ class Ballast:
         return "\n".join("    " + line for line in lines)
 
     def start(self) -> dict:
-        from ..server import die_with_parent_hook
+        from ..process import die_with_parent_hook
 
         env = dict(os.environ)
         env.update(self.env)

@@ -355,7 +355,7 @@ def _swap_lines(run: dict, concurrent: bool) -> list[str]:
 
 
 def _warm_uploads(srv: dict) -> str:
-    """The warm restores' uploads of a row, with those a following swap dropped (patch 0076)."""
+    """The warm restores' uploads of a row, with those a following swap dropped (the prefill swap drops them)."""
     dropped = srv.get("warm_dropped")
     return _fmt_count(srv.get("warm_uploads")) + (f" ({dropped} dropped)" if dropped else "")
 

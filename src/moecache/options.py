@@ -1,0 +1,367 @@
+"""Every option of moecache's features, mapped in one place: the llama-server flag, its environment
+variable (llama.cpp's LLAMA_ARG_<FLAG> scheme, older names as aliases), the Python parameter, the
+default and the range; and the reading of a llama-server command line (which flags and variables the
+user set), which the launcher, `moecache plan` and `moecache tune` share.
+
+Pure Python: the unit tests and the build import it without numpy or the native module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+#
+# the features' options: one table per feature, Python argument -> its option
+#
+
+
+def _check_int(name: str, value, minimum: int | None = None, maximum: int | None = None, what: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            import numpy as np  # numpy integers are fine
+
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except (ImportError, TypeError):
+            raise ValueError(f"{name} must be an integer{what} (got {value!r})") from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be an integer{what} (got {value})")
+    return value
+
+
+MOE_CACHE_POLICIES = ("freq", "lru")
+MOE_CACHE_MISS_VALUES = ("cpu", "gpu", "auto")
+PREFILL_SWAP_MODES = ("transaction", "bypass")
+
+_INT32_MAX = 2**31 - 1
+
+_TRUE_WORDS = ("on", "enabled", "true", "1")    # as llama.cpp's is_truthy / is_falsey
+_FALSE_WORDS = ("off", "disabled", "false", "0")
+
+
+@dataclass(frozen=True)
+class FeatureOption:
+    """One option as llama-server and the Python API both take it: the flag, its environment
+    variable (llama.cpp's LLAMA_ARG_<FLAG> scheme), the older names that still set it (read only
+    when `env` is unset: the new name wins), the default, the integer range (or the words it takes,
+    or a boolean) and what it is."""
+
+    flag: str
+    env: str
+    aliases: tuple[str, ...]
+    default: object
+    minimum: int | None
+    maximum: int | None
+    what: str
+    choices: tuple[str, ...] = ()  # a word option: one of these, spelled exactly so
+    boolean: bool = False
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """The variables that set it, the one that wins first."""
+        return (self.env, *self.aliases)
+
+    def from_environment(self, environ) -> tuple[str, str] | None:
+        """(variable, value) of the first of env_names set to a non-blank value, or None."""
+        for var in self.env_names:
+            value = environ.get(var)
+            if value is not None and value.strip() != "":
+                return var, value
+        return None
+
+    def describe_variable(self, var: str) -> str:
+        return f"environment variable {var}" + (f" (the old name of {self.env})" if var != self.env else "")
+
+# Python argument -> its option: the one place that maps the cache's flags, variables and arguments
+MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
+    "moe_cache_slots": FeatureOption(
+        "--moe-cache-slots", "LLAMA_ARG_MOE_CACHE_SLOTS", ("LLAMA_ARG_MOE_HOT_K",), 0, 0, _INT32_MAX,
+        "slots per cached layer (0 = off unless moe_cache_size_mib is set)"),
+    "moe_cache_size_mib": FeatureOption(
+        "--moe-cache-size", "LLAMA_ARG_MOE_CACHE_SIZE", (), 0, 0, _INT32_MAX,
+        "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
+    "moe_cache_policy": FeatureOption(
+        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None, "'freq' or 'lru'",
+        choices=MOE_CACHE_POLICIES),
+    "moe_cache_rebalance_interval": FeatureOption(
+        "--moe-cache-rebalance-interval", "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL",
+        ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",), 40, 1, _INT32_MAX, "freq policy: tokens between rebalances"),
+    "moe_cache_max_batch": FeatureOption(
+        "--moe-cache-max-batch", "LLAMA_ARG_MOE_CACHE_MAX_BATCH", ("LLAMA_MOE_HOT_PP_BYPASS_N_TOKENS",), 8, 1, 64,
+        "batches of up to this many tokens use the cache"),
+    "moe_cache_admit_misses": FeatureOption(
+        "--moe-cache-admit-misses", "LLAMA_ARG_MOE_CACHE_ADMIT_MISSES", (), 2, 1, _INT32_MAX,
+        "lru policy: misses within the window before an expert is uploaded"),
+    "moe_cache_admit_window": FeatureOption(
+        "--moe-cache-admit-window", "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW", (), 16, 1, _INT32_MAX,
+        "lru policy: the admission window in tokens"),
+    "moe_cache_max_uploads": FeatureOption(
+        "--moe-cache-max-uploads", "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS", (), 2, 1, _INT32_MAX,
+        "uploads per layer and step"),
+    "moe_cache_headroom_mib": FeatureOption(
+        "--moe-cache-headroom", "LLAMA_ARG_MOE_CACHE_HEADROOM", (), 512, 0, _INT32_MAX,
+        "device memory in MiB left free after the slot banks, which take what the context leaves"),
+    "moe_cache_miss": FeatureOption(
+        "--moe-cache-miss", "LLAMA_ARG_MOE_CACHE_MISS", (), "cpu", None, None,
+        "where misses run: 'cpu', 'gpu' (the GPU reads the host experts in place) or 'auto' (per layer)",
+        choices=MOE_CACHE_MISS_VALUES),
+    "moe_cache_miss_auto_pct": FeatureOption(
+        "--moe-cache-miss-auto-pct", "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT", (), 25, 0, 100,
+        "miss 'auto': a layer's misses run on the GPU while they are at most this % of its routed experts"),
+}
+
+# the prefill-phase swap's options (the public write-up's LLAMA_PHASE_PREFILL_* names are aliases)
+PREFILL_SWAP_OPTIONS: dict[str, FeatureOption] = {
+    "prefill_ubatch": FeatureOption(
+        "--prefill-ubatch", "LLAMA_ARG_PREFILL_UBATCH", ("LLAMA_PHASE_PREFILL_UBATCH",), 0, 0, _INT32_MAX,
+        "ubatch of long prompts, at most n_batch (0 = off)"),
+    "prefill_min_tokens": FeatureOption(
+        "--prefill-min-tokens", "LLAMA_ARG_PREFILL_MIN_TOKENS", ("LLAMA_PHASE_PREFILL_MIN_TOKENS",), 1024, 1,
+        _INT32_MAX, "prompts of fewer tokens keep n_ubatch"),
+    "prefill_swap_mode": FeatureOption(
+        "--prefill-swap-mode", "LLAMA_ARG_PREFILL_SWAP_MODE", ("LLAMA_PHASE_PREFILL_MODE",), "transaction", None, None,
+        "'transaction' or 'bypass'", choices=PREFILL_SWAP_MODES),
+    "prefill_warm_restore": FeatureOption(
+        "--prefill-warm-restore", "LLAMA_ARG_PREFILL_WARM_RESTORE", (), True, None, None,
+        "refill the expert cache with the prompt's most-routed experts", boolean=True),
+}
+
+# long-context attention: switches of the sparse paths
+LONG_CONTEXT_OPTIONS: dict[str, FeatureOption] = {
+    "qsa_sparse": FeatureOption(
+        "--qsa-sparse", "LLAMA_ARG_QSA_SPARSE", (), False, None, None,
+        "QSA layers (qwen4exp) attend only the cells their indexer selected (needs flash attention)", boolean=True),
+    "kq_mask_device": FeatureOption(
+        "--kq-mask-device", "LLAMA_ARG_KQ_MASK_DEVICE", (), False, None, None,
+        "the attention mask built on the device from positions (where they alone decide it)", boolean=True),
+    "qsa_block_topk": FeatureOption(
+        "--qsa-block-topk", "LLAMA_ARG_QSA_BLOCK_TOPK", (), False, None, None,
+        "QSA layers (qwen4exp) rank their blocks, then only the chosen blocks' cells (the same cells)", boolean=True),
+}
+
+# several devices: switches of the layer split
+MULTI_GPU_OPTIONS: dict[str, FeatureOption] = {
+    "pp_overrides": FeatureOption(
+        "--pp-overrides", "LLAMA_ARG_PP_OVERRIDES", (), False, None, None,
+        "keep pipeline parallelism with tensor overrides that put no weight on the host for a GPU op to copy",
+        boolean=True),
+}
+
+# the CPU's experts at decode: how the CPU computes one token's experts, not what
+CPU_EXPERT_OPTIONS: dict[str, FeatureOption] = {
+    "cpu_experts_flat": FeatureOption(
+        "--cpu-experts-flat", "LLAMA_ARG_CPU_EXPERTS_FLAT", (), False, None, None,
+        "experts computed on the CPU one token at a time: one run of the experts' rows per thread", boolean=True),
+    "cpu_experts_x4": FeatureOption(
+        "--cpu-experts-x4", "LLAMA_ARG_CPU_EXPERTS_X4", (), False, None, None,
+        "experts computed on the CPU one token at a time: four Q4_0 rows' dot products at once", boolean=True),
+}
+
+
+def _range_text(minimum: int | None, maximum: int | None) -> str:
+    if maximum is None or maximum == _INT32_MAX:
+        return f" >= {minimum}"
+    return f" in [{minimum}, {maximum}]"
+
+
+def _choice(option: FeatureOption, value, source: str) -> str:
+    """One of option.choices, spelled exactly so (as llama-server takes them); ValueError naming
+    `source` otherwise."""
+    if isinstance(value, str) and value in option.choices:
+        return value
+    raise ValueError(f"{source} must be one of {', '.join(repr(p) for p in option.choices)} (got {value!r})")
+
+
+def _feature_options(table: dict[str, FeatureOption], feature: str, kwargs=None, environ=None) -> dict:
+    """The checked settings of one feature, every option of `table`.
+
+    `kwargs` maps option names to the values a caller passed (None = not passed); an option not
+    passed takes its environment variable (`environ`, default os.environ; an empty value counts as
+    unset), else an old name of that variable, else its default. A bad value raises ValueError that
+    names the argument or the variable it came from; an unknown option name raises TypeError, as a
+    misspelled keyword argument does.
+    """
+    kwargs = dict(kwargs or {})
+    environ = os.environ if environ is None else environ
+    unknown = sorted(set(kwargs) - set(table))
+    if unknown:
+        raise TypeError(f"unknown {feature} option(s): {', '.join(unknown)} (known: {', '.join(table)})")
+    out = {}
+    for name, option in table.items():
+        default, minimum, maximum, what = option.default, option.minimum, option.maximum, option.what
+        value = kwargs.get(name)
+        found = option.from_environment(environ) if value is None else None
+        source = f"{option.describe_variable(found[0])} ({name})" if found else name
+        if option.choices:
+            out[name] = (_choice(option, value, name) if value is not None
+                         else _choice(option, found[1].strip(), source) if found else default)
+        elif option.boolean:
+            if value is not None:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{name} must be True or False (got {value!r})")
+                out[name] = value
+            elif found:
+                word = found[1].strip().lower()
+                if word not in _TRUE_WORDS + _FALSE_WORDS:
+                    raise ValueError(f"{source} must be one of {', '.join(_TRUE_WORDS + _FALSE_WORDS)} "
+                                     f"(got {found[1]!r})")
+                out[name] = word in _TRUE_WORDS
+            else:
+                out[name] = default
+        elif found:
+            text = found[1].strip()
+            number = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None  # as C's strtol: no "1_000"
+            if number is None or number < minimum or (maximum is not None and number > maximum):
+                raise ValueError(f"{option.describe_variable(found[0])} ({name}: {what}) must be an integer"
+                                 f"{_range_text(minimum, maximum)} (got {found[1]!r})")
+            out[name] = number
+        elif value is not None:
+            out[name] = _check_int(name, value, minimum=minimum, maximum=maximum,
+                                   what=_range_text(minimum, maximum) + f" ({what})")
+        else:
+            out[name] = default
+    return out
+
+
+def _moe_cache_options(kwargs=None, environ=None) -> dict:
+    """The checked hot-expert cache settings of a context (see _feature_options)."""
+    return _feature_options(MOE_CACHE_OPTIONS, "expert cache", kwargs, environ)
+
+
+def _prefill_swap_options(kwargs=None, environ=None) -> dict:
+    """The checked prefill-phase swap settings of a context (see _feature_options)."""
+    return _feature_options(PREFILL_SWAP_OPTIONS, "prefill swap", kwargs, environ)
+
+
+def _long_context_options(kwargs=None, environ=None) -> dict:
+    """The checked long-context attention settings of a context (see _feature_options)."""
+    return _feature_options(LONG_CONTEXT_OPTIONS, "long-context", kwargs, environ)
+
+
+def _multi_gpu_options(kwargs=None, environ=None) -> dict:
+    """The checked settings of a layer split over several devices (see _feature_options)."""
+    return _feature_options(MULTI_GPU_OPTIONS, "multi-GPU", kwargs, environ)
+
+
+def _cpu_expert_options(kwargs=None, environ=None) -> dict:
+    """The checked settings of how the CPU computes a decode step's experts (see _feature_options)."""
+    return _feature_options(CPU_EXPERT_OPTIONS, "CPU-experts", kwargs, environ)
+
+
+#
+# a llama-server command line: which settings the user's flags or environment decide
+#
+
+
+def find_flag_value(args: Sequence[str], names: Iterable[str]) -> str | None:
+    """Value of the last occurrence of a flag in `args` (`-m X`, `--model X` or `--model=X`)."""
+    names = tuple(names)
+    value = None
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in names:
+            value = args[i + 1] if i + 1 < len(args) else ""
+            i += 2
+            continue
+        for n in names:
+            if n.startswith("--") and a.startswith(n + "="):
+                value = a[len(n) + 1:]
+        i += 1
+    return value
+
+
+def has_flag(args: Sequence[str], names: Iterable[str]) -> bool:
+    names = tuple(names)
+    return any(a in names or any(n.startswith("--") and a.startswith(n + "=") for n in names)
+               for a in args)
+
+# each llama-server setting --demo touches: its flags and the environment variables that set it
+# (llama-server's arg table, common/arg.cpp). llama-server reads the variables first and lets flags
+# override them, so a flag the demo added would silently beat the user's environment: every
+# setting below is added only when neither the user's flags nor their environment decide it.
+MODEL_FLAGS = ("-m", "--model")
+MODEL_ENV = ("LLAMA_ARG_MODEL",)
+HOST_FLAGS = ("--host",)
+HOST_ENV = ("LLAMA_ARG_HOST",)
+PORT_FLAGS = ("--port",)
+PORT_ENV = ("LLAMA_ARG_PORT",)
+CTX_FLAGS = ("-c", "--ctx-size")
+CTX_ENV = ("LLAMA_ARG_CTX_SIZE",)
+CACHE_SIZE_OPTIONS = ("moe_cache_slots", "moe_cache_size_mib")  # the cache's other options tune it, not size it
+CACHE_SIZE_FLAGS = tuple(MOE_CACHE_OPTIONS[o].flag for o in CACHE_SIZE_OPTIONS)
+CACHE_SIZE_ENV = tuple(v for o in CACHE_SIZE_OPTIONS for v in MOE_CACHE_OPTIONS[o].env_names)
+EXPERT_PLACEMENT_FLAGS = ("-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ot", "--override-tensor")
+EXPERT_PLACEMENT_ENV = ("LLAMA_ARG_CPU_MOE", "LLAMA_ARG_N_CPU_MOE", "LLAMA_ARG_OVERRIDE_TENSOR")
+REPACK_FLAGS = ("--repack", "-nr", "--no-repack")
+REPACK_ENV = ("LLAMA_ARG_REPACK", "LLAMA_ARG_NO_REPACK")  # llama.cpp also reads LLAMA_ARG_NO_<X> of a negatable flag
+METRICS_FLAGS = ("--metrics",)
+METRICS_ENV = ("LLAMA_ARG_ENDPOINT_METRICS",)
+
+# --plan auto: what a plan sets, as (the flags that set it, the variables that set it); the plan's flag is
+# the first. A setting the user's flags or environment decide is left to them.
+PARALLEL_FLAGS = ("-np", "--parallel")
+PARALLEL_ENV = ("LLAMA_ARG_N_PARALLEL",)
+UBATCH_FLAGS = ("-ub", "--ubatch-size")
+UBATCH_ENV = ("LLAMA_ARG_UBATCH",)
+
+PLAN_SETTINGS = {
+    "-ngl": (("-ngl", "--gpu-layers", "--n-gpu-layers"), ("LLAMA_ARG_N_GPU_LAYERS",)),
+    "-c": (CTX_FLAGS, CTX_ENV),
+    "-np": (PARALLEL_FLAGS, PARALLEL_ENV),
+    "-ub": (UBATCH_FLAGS, UBATCH_ENV),
+    "-b": (("-b", "--batch-size"), ("LLAMA_ARG_BATCH",)),
+    "--cpu-moe": (EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV),
+    "--no-repack": (REPACK_FLAGS, REPACK_ENV),
+    "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
+    "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),
+    "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
+    # the CPU's expert switches: ggml's own variables count as the user's setting too (a 0 there stays off)
+    "--host-hugepages": (("--host-hugepages", "--no-host-hugepages"),
+                         ("LLAMA_ARG_HOST_HUGEPAGES", "GGML_CUDA_HOST_HUGEPAGES")),
+    "--cpu-experts-flat": (("--cpu-experts-flat", "--no-cpu-experts-flat"),
+                           (*CPU_EXPERT_OPTIONS["cpu_experts_flat"].env_names, "GGML_CPU_MMID_FLAT")),
+    "--cpu-experts-x4": (("--cpu-experts-x4", "--no-cpu-experts-x4"),
+                         (*CPU_EXPERT_OPTIONS["cpu_experts_x4"].env_names, "GGML_CPU_DOT_X4")),
+}
+
+
+def _env_set(environ: Mapping[str, str], names: Iterable[str]) -> bool:
+    return any(environ.get(n, "").strip() for n in names)
+
+
+def user_decides(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str]) -> bool:
+    """Whether the user's llama-server flags or environment set a setting."""
+    return has_flag(args, flags) or _env_set(environ, env)
+
+
+def setting_value(args: Sequence[str], environ: Mapping[str, str], flags: Iterable[str], env: Iterable[str],
+                  default: str) -> str:
+    """The value llama-server will use for a setting: the last flag, else the environment, else `default`."""
+    value = find_flag_value(args, flags)
+    if value is not None:
+        return value
+    for name in env:
+        if environ.get(name, "").strip():
+            return environ[name].strip()
+    return default
+
+
+def planned_args(plan_args: Sequence[str], rest: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """The plan's flags the user's own flags and environment leave open, in the plan's order."""
+    out: list[str] = []
+    i = 0
+    while i < len(plan_args):
+        flag = plan_args[i]
+        takes_value = i + 1 < len(plan_args) and not plan_args[i + 1].startswith("-")
+        pair = list(plan_args[i:i + 2]) if takes_value else [flag]
+        flags, env = PLAN_SETTINGS.get(flag, ((flag,), ()))
+        if not user_decides(rest, environ, flags, env):
+            out += pair
+        i += len(pair)
+    return out
