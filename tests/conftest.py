@@ -44,7 +44,7 @@ def tiny_model(moecache_cache_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_q4_0(moecache_cache_dir) -> Path:
-    """`tiny` in Q4_0, the type with the CPU's four-row kernel (patch 0079); tiny itself is Q8_0."""
+    """`tiny` in Q4_0, the type with the CPU's four-row kernel; tiny itself is Q8_0."""
     return _tiny_model(moecache_cache_dir, "tiny", "q4_0")
 
 

@@ -153,7 +153,7 @@ _OP_ROW = re.compile(r"ggml_sched_op_times: backend=(\S+) op=(.+) ms_per_graph=(
 
 
 def op_time_reports(log: str) -> list[dict]:
-    """GGML_SCHED_OP_TIMES's reports (patch 0040) in a log, in order: one dict per backend and window with
+    """GGML_SCHED_OP_TIMES's reports in a log, in order: one dict per backend and window with
     backend, graphs, first (the first node's name), tokens (its ne1: a ubatch's tokens), ms per graph and
     rows {"OP name [ne0,ne1,ne2,ne3]": (ms per graph, count per graph)}."""
     reports = []
@@ -171,7 +171,7 @@ def op_shape(entry: str) -> list[int]:
     return [int(x) for x in entry.rsplit("[", 1)[1].rstrip("]").split(",")]
 
 
-# QSA's mask at the selected cells (patch 0053): the flag sets its tests run with (CPU and CUDA), each
+# QSA's mask at the selected cells: the flag sets its tests run with (CPU and CUDA), each
 # with LLAMA_QSA_MASK_SELECTED=0 as the reference
 QSA_MASK_SELECTED_CASES = {
     "device-block": ["--qsa-sparse", "--kq-mask-device", "--qsa-block-topk"],

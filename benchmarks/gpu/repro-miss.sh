@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 11: the start-up SIGSEGV of --moe-cache-miss gpu on CUDA (seen with -lm none and --no-host
+# The start-up SIGSEGV of --moe-cache-miss gpu on CUDA (seen with -lm none and --no-host
 # under LLAMA_MOE_CACHE_HOLD_EMPTY, and at 128 slots on the 30B shape). Runs the repro phase of run.sh
 # under each variant below and prints one line per variant (healthy / exit status); the logs are
 # repro-<variant>.log under $OUT. Needs a built tree (run.sh build).

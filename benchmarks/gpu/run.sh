@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [qsa-ops] [plan] [drop-models] [bench SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, CPU_MMID_ARGS, REPRO_ARGS: the flags of those phases' tools)
+#
+# Before/after on one machine: `git archive -o .carry/ref-src.tar.gz REF` here, carry it; build-ref
+# builds that tree's llama-server into /tmp/moecache-ref (in the background: the later phases go on, and
+# bench-ref waits for it), and bench-ref runs scenarios with the reference build's binaries
+# (MOECACHE_BIN_DIR) and this tree's bench, so both runs of a scenario share everything but the server.
 #
 # For a device call: MODEL_AHEAD=SCENARIO.toml[,SCENARIO.toml] makes those scenarios' synthetic models in the background
 # from the first second (beside the build; the bench phase waits for it), and PACK_TO=DIR packs the
@@ -113,8 +118,8 @@ while [ $i -lt ${#phases[@]} ]; do
         bash "$repo/benchmarks/gpu/diag-load.sh" "$out" || true
         ;;
     backend-ops)
-        # an op's cases on the GPU against the CPU: MUL_MAT_ID (patch 0001's skip ids among them), or
-        # BACKEND_OPS (TOP_K: patch 0031)
+        # an op's cases on the GPU against the CPU: MUL_MAT_ID (the skip ids among them), or
+        # BACKEND_OPS (TOP_K: the radix top-k)
         op=${BACKEND_OPS:-MUL_MAT_ID}
         log "backend-ops: test-backend-ops -o $op -b CUDA0"
         ops=$(python3 -c 'from moecache.paths import binary; print(binary("test-backend-ops"))')
@@ -173,7 +178,7 @@ while [ $i -lt ${#phases[@]} ]; do
         bench=$(python3 -c 'from moecache.paths import binary; print(binary("llama-bench"))')
         # a quoted default inside ${..:-..} would not be split into words: take it through a variable
         cargs=${CPU_DECODE_ARGS:-"-t 8,16 --no-host 0,1 --poll 50,100"}
-        # GGML_SCHED_TIMES (patch 0033): each test's GPU, CPU, copy and host time per token, logged (-v) at
+        # GGML_SCHED_TIMES: each test's GPU, CPU, copy and host time per token, logged (-v) at
         # its context's end in test order; then every expert in VRAM, the GPU's share alone
         # shellcheck disable=SC2086 # CPU_DECODE_ARGS is a word list
         GGML_SCHED_TIMES=1 "$bench" -m "$q30" -p 0 -n 64 -r 2 -fa 1 -ngl 99 -ot exps=CPU -lm none $cargs -v \
@@ -188,7 +193,7 @@ while [ $i -lt ${#phases[@]} ]; do
     cpu-pages)
         # issue 11 goal 2: does the page size of the experts' host memory decide all-CPU decode?
         # host-bandwidth.c over allocation kinds (THP advised or not, cudaMallocHost, huge pages
-        # page-locked as patch 0075 does), then llama-bench tg64 on the 30B model: pinned buffers
+        # page-locked as --host-hugepages does), then llama-bench tg64 on the 30B model: pinned buffers
         # with GGML_CUDA_HOST_HUGEPAGES off and on, pageable GGUF-layout and repacked buffers
         wait_ahead cpu-pages
         log "cpu-pages: THP $(cat /sys/kernel/mm/transparent_hugepage/enabled) defrag $(cat /sys/kernel/mm/transparent_hugepage/defrag)"
@@ -235,8 +240,8 @@ while [ $i -lt ${#phases[@]} ]; do
         # issue 11 goal 2: the CPU's part of an all-CPU-experts decode step of the 30B shape, taken apart
         # (benchmarks/native/bench_cpu_mmid.cpp): the three MUL_MAT_IDs of 48 layers streaming random
         # experts from DRAM in one graph (the kernels' rate) and one graph per layer with the GPU's part as
-        # idle time between (what the hand-overs add), each with stock pages, huge pages, patch 0077's
-        # flat split and patch 0079's four-row dot products, and repacked for the CPU with either split
+        # idle time between (what the hand-overs add), each with stock pages, huge pages, the flat
+        # split and the four-row dot products, and repacked for the CPU with either split
         # (CPU_MMID_ARGS: the tool's flags)
         mb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-cpu-mmid"))')
         margs=${CPU_MMID_ARGS:-"-t 8,16 -n 32"}
@@ -253,7 +258,7 @@ while [ $i -lt ${#phases[@]} ]; do
         done
         ;;
     qsa-ops)
-        # issue 12: where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
+        # where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
         # (benchmarks/native/bench_qsa_indexer.cpp; QSA_OPS_ARGS: its flags)
         qargs=${QSA_OPS_ARGS:-"-k 5000,50000,150000,250000 -t 1,512 -r 10"}
         log "qsa-ops: bench-qsa-indexer $qargs"
@@ -277,7 +282,7 @@ while [ $i -lt ${#phases[@]} ]; do
         fi
         ;;
     plan)
-        # issue 15: `moecache plan` for the 30B shape (PLAN_ARGS: its flags; default a 24 GiB card, 2 users of 32k)
+        # `moecache plan` for the 30B shape (PLAN_ARGS: its flags; default a 24 GiB card, 2 users of 32k)
         wait_ahead plan
         q30=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3-30b-a3b", "q4_0", 0))')
         # shellcheck disable=SC2086
@@ -292,18 +297,58 @@ while [ $i -lt ${#phases[@]} ]; do
         log "drop-models: $(du -sh "$models" 2>/dev/null | cut -f1) in $models"
         rm -f "$models"/*.gguf
         ;;
-    bench)
-        wait_ahead bench
+    build-ref)
+        # the reference tree's llama-server (CMake, its own series applied by its own orchestrator)
+        ref=/tmp/moecache-ref
+        [ -f .carry/ref-src.tar.gz ] || { echo "build-ref: no .carry/ref-src.tar.gz (git archive -o .carry/ref-src.tar.gz REF)" >&2; exit 2; }
+        if [ -x "$ref/build/bin/llama-server" ]; then
+            log "build-ref: $ref/build/bin/llama-server is there"
+        else
+            rm -rf "$ref" && mkdir -p "$ref/src"
+            tar -xzf .carry/ref-src.tar.gz -C "$ref/src"
+            log "build-ref: $(tar -tzf .carry/ref-src.tar.gz | head -1) in the background, ${REF_JOBS:-8} jobs"
+            (t0=$(date +%s)
+             cmake -S "$ref/src" -B "$ref/build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 \
+                 -DGGML_NATIVE=on -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" > "$out/build-ref.log" 2>&1 \
+             && cmake --build "$ref/build" --target llama-server -j "${REF_JOBS:-8}" >> "$out/build-ref.log" 2>&1 \
+             && echo "build-ref: done in $(( $(date +%s) - t0 )) s" >> "$out/run.log" \
+             || echo "build-ref: FAILED (see build-ref.log)" >> "$out/run.log"
+             rm -f "$ref.pid") &
+            echo $! > "$ref.pid"
+        fi
+        ;;
+    bench|bench-ref)
+        wait_ahead "$phase"
         scenarios=()
         while [ $i -lt ${#phases[@]} ] && [[ ${phases[$i]} == *.toml ]]; do scenarios+=("${phases[$i]}"); i=$((i + 1)); done
         [ ${#scenarios[@]} -eq 0 ] && scenarios=(benchmarks/scenarios/baseline-h200.toml)
+        bin_env=()
+        if [ "$phase" = bench-ref ]; then
+            ref=/tmp/moecache-ref
+            while [ -f "$ref.pid" ] && kill -0 "$(cat "$ref.pid")" 2>/dev/null; do sleep 2; done
+            [ -x "$ref/build/bin/llama-server" ] || { log "bench-ref: the reference build is missing"; failed=1; continue; }
+            # REF_COMMIT: the reference's commit, for its result files (the tree has no git metadata)
+            bin_env=(MOECACHE_BIN_DIR="$ref/build/bin" MOECACHE_COMMIT="${REF_COMMIT:-reference}")
+        fi
         for s in "${scenarios[@]}"; do
-            log "bench: $s"
+            log "$phase: $s"
             # shellcheck disable=SC2086 # BENCH_ARGS: extra flags of moecache bench, e.g. "--vram-budget 16"
-            python3 -m moecache bench "$s" --out "$out" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/bench.log" | tail -30
+            env "${bin_env[@]}" python3 -m moecache bench "$s" --out "$out${bin_env:+/ref}" ${BENCH_ARGS:-} 2>&1 \
+                | tee -a "$out/bench.log" | tail -30
         done
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, qsa-ops, plan, drop-models, bench [SCENARIO.toml...])" >&2; exit 2 ;;
+    llama-archs)
+        # the pin's own test-llama-archs: one small random model per architecture, run on CUDA0 against
+        # the CPU (built with MOECACHE_BUILD_TESTS=ON): the series must break no architecture
+        archs=$(python3 -c 'from moecache.paths import binary; print(binary("test-llama-archs"))')
+        log "llama-archs: test-llama-archs -b CUDA0"
+        if (set -o pipefail; "$archs" -b CUDA0 2>&1 | tee "$out/llama-archs.log" | tail -5); then
+            log "llama-archs: passed"
+        else
+            log "llama-archs: FAILED (see llama-archs.log)"; failed=1
+        fi
+        ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi

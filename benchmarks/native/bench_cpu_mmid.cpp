@@ -15,10 +15,10 @@
 // The checksum is the same for a seed whatever the split of the rows among threads: a check that
 // GGML_CPU_MMID_FLAT=1 computes what the stock split does, and GGML_CPU_DOT_X4=1 what the one-row kernel
 // does, bit for bit (not across -t, which can change how the activations are quantized).
-// GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) apply as in the server; --flat and
-// --x4 turn them on for this tool's CPU backend alone, through the setters of patch 0080
+// GGML_CPU_MMID_FLAT=1 (the flat split) and GGML_CPU_DOT_X4=1 (the four-row dots) apply as in the
+// server; --flat and --x4 turn them on for this tool's CPU backend alone, through the per-context setters
 // (ggml_backend_cpu_set_mmid_flat, ggml_backend_cpu_set_dot_x4, found by name as llama.cpp finds them);
-// --hugepages asks the CPU buffer for transparent huge pages (patch 0075's switch); --repack puts the
+// --hugepages asks the CPU buffer for transparent huge pages (the switch behind --host-hugepages); --repack puts the
 // weights in the CPU's repack buffer (the layout and kernels the CPU takes by default, which the hot-expert
 // cache cannot upload from).
 //

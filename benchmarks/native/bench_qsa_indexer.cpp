@@ -1,4 +1,4 @@
-// Where a QSA layer's indexer spends its time at depth (issue 12): the stages of the pin's
+// Where a QSA layer's indexer spends its time at depth: the stages of the pin's
 // build_qsa_top_k (src/models/qwen4exp.cpp) for one layer, each timed on its own on one backend
 // device, at n_kv cached cells and n_tps query tokens:
 //   pool    gather every block's r member keys, mean, rms_norm, rope (every block, every ubatch)
@@ -7,8 +7,8 @@
 //   top_k   the cells' top-k (width top_k + r - 1)
 //   top_k_blocks  for comparison: a top-k over the blocks instead (width top_k / r + 1)
 //   top_k_ordered the cells' top-k as --qsa-block-topk takes it where the block level cannot
-//                 (ggml_top_k_ordered, patch 0046)
-//   block_topk    what --qsa-block-topk (patch 0047) runs in place of expand + top_k: the best
+//                 (ggml_top_k_ordered)
+//   block_topk    what --qsa-block-topk runs in place of expand + top_k: the best
 //                 n_sel = ceil((width - 1)/r) + 2 blocks per token, their cells and values, the
 //                 width best of those
 // Random data: the times do not depend on the values. One JSON line per (stage, n_kv, n_tps):

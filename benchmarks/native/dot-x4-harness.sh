@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Times the CPU's Q4_0 one-row and four-row dot kernels (patch 0079) with the tree's arch/x86/quants.c
+# Times the CPU's Q4_0 one-row and four-row dot kernels with the tree's arch/x86/quants.c
 # compiled for each of several instruction sets, linked ahead of the built libggml-cpu, so that the AVX2
 # path (CPUs without AVX512) is checked bit for bit and timed on any newer x86 machine; see
 # dot_x4_harness.c. Needs the patched tree (moecache-build edit) and a build.

@@ -1,4 +1,4 @@
-// The CPU's Q4_0 dot products one kernel at a time, outside ggml's graph (issue 11, goal 2; patch 0079):
+// The CPU's Q4_0 dot products one kernel at a time, outside ggml's graph (issue 11, goal 2):
 // ggml_vec_dot_q4_0_q8_0 row by row against ggml_vec_dot_q4_0_q8_0_x4 (four rows at once, the kernel
 // prefetching two groups ahead, and without that prefetch), over R rows of 2048 columns, and the one-row kernels of Q8_0, Q4_K and
 // Q6_K for comparison. Random quants, random signed y in [-127, 127], sane scales (the time of the float

@@ -66,7 +66,7 @@ def test_bench_at_a_depth_reuses_the_cached_tokens(tmp_path, tiny_model, llama_s
 
 
 def test_bench_copies_a_depth_to_the_other_slots(tmp_path, tiny_model, llama_server_bin, subprocess_env):
-    # depth_fill = "copy": slot 0 prefills the depth, the server's slot copy (patch 0038) fills slot 1,
+    # depth_fill = "copy": slot 0 prefills the depth, the server's slot copy fills slot 1,
     # and both users' requests reuse it
     text = SCENARIO.split("[[arms]]")[0].replace("depths = [0, 400]", "depths = [400]").replace(
         "users = [1, 2]", "users = [2]\ndepth_fill = \"copy\"")

@@ -1,4 +1,4 @@
-"""A new context checkpoint in the buffers of the one it supersedes or evicts (patch 0045), through the real
+"""A new context checkpoint in the buffers of the one it supersedes or evicts, through the real
 llama-server on the CPU with a hybrid model (tiny qwen4exp: each checkpoint holds its recurrent state).
 
 The same prompt again supersedes the checkpoints at the same token counts, and with --ctx-checkpoints 2 every

@@ -1,13 +1,13 @@
 """The CPU's experimental MUL_MAT_ID switches change how a decode step's expert rows are computed, not what:
-- GGML_CPU_MMID_FLAT=1 (patch 0077) splits the rows of one token's experts into one contiguous run per
+- GGML_CPU_MMID_FLAT=1 splits the rows of one token's experts into one contiguous run per
   thread instead of a slice of every expert per thread; every row is still one thread's dot product;
-- GGML_CPU_DOT_X4=1 (patch 0079) computes four Q4_0 rows' dot products at once, each row with the one-row
+- GGML_CPU_DOT_X4=1 computes four Q4_0 rows' dot products at once, each row with the one-row
   kernel's operations in the same order (checked to fail with two rows' results swapped).
 So decode must be bit-identical to the stock path: the same tokens and the same log-probabilities, with the
 experts in the model's buffers and with the hot-expert cache's expert tables (its banks on the host test
 device). Whether they are faster is for the benchmarks (bench-cpu-mmid, run.sh cpu-mmid on the H200).
 
-The same switches per context (patch 0080): llama_context_params.cpu_experts_flat / .cpu_experts_x4, the flags
+The same switches per context: llama_context_params.cpu_experts_flat / .cpu_experts_x4, the flags
 --cpu-experts-flat / --cpu-experts-x4 (LLAMA_ARG_CPU_EXPERTS_FLAT / _X4) and the Python parameters of the same
 names. Since the output cannot tell, the CPU backend says once, in an info line, which path the first decode
 step with a switch on took, and the tests read it (checked to fail with the backend's value not passed on to

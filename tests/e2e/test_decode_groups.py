@@ -1,4 +1,4 @@
-"""Decode groups in the server (--decode-groups, issue 13) through the real llama-server.
+"""Decode groups in the server (--decode-groups) through the real llama-server.
 
 Over a pipelined layer split, one batch in flight leaves every device but one idle. With --decode-groups N
 the generating slots are split into up to N groups of consecutive slots; each group decodes into its own

@@ -1,4 +1,4 @@
-"""--host-hugepages (patch 0075) on the CPU build: the weights' CPU buffers (-lm none: not a file mapping)
+"""--host-hugepages on the CPU build: the weights' CPU buffers (-lm none: not a file mapping)
 go on transparent huge pages and the server answers exactly as without them; the flag and its variable
 are in --help; a bad value of the variable stops the server with an error that names it. The Python
 Model says the switch is ignored without a GPU's pinned memory. (On the H200,

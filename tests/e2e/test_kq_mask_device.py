@@ -7,7 +7,7 @@ the output is the stock output bit for bit: qwen3moe (plain KV cache), tiny-qwen
 reads the mask too, with and without --qsa-sparse, and its per-block bias is built on the device as
 well), flash attention on (f16 mask) and off (f32), several streams. The graph's node and
 input-tensor counts in the start-up log show the path ran. qwen4exp has M-RoPE, so every ubatch has 2D
-positions; its text ubatches compare positions alone (patch 0041).
+positions; its text ubatches compare positions alone.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def input_tensors(graph) -> int:
 
 @pytest.mark.parametrize("sparse", [[], ["--qsa-sparse"]], ids=["masked-qsa", "sparse-qsa"])
 def test_hybrid_memory_and_qsa_read_the_device_mask(qwen4exp_8l, sparse):
-    """The KQ mask and the QSA per-block bias from positions (patch 0029): each of the two host
+    """The KQ mask and the QSA per-block bias from positions: each of the two host
     inputs becomes two small ones (cells and tokens; blocks and tails), the output is the stock's."""
     args = ["-fa", "on", "-np", "1", "-ub", "16"] + sparse
     ref, ref_graph = run(qwen4exp_8l, args, [LONG])

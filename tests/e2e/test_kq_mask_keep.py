@@ -1,4 +1,4 @@
-"""A decode step's KQ mask kept from the step before (patch 0035) through the real llama-server on the CPU.
+"""A decode step's KQ mask kept from the step before through the real llama-server on the CPU.
 
 With one token per KV stream, a causal mask without sliding window, ALiBi or 2D positions, each
 stream's mask row (and the cells' positions of the device-built mask) is the last step's, redone only

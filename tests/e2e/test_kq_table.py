@@ -1,4 +1,4 @@
-"""The device mask's cell positions kept across graphs (patch 0058) through the real llama-server on the CPU.
+"""The device mask's cell positions kept across graphs through the real llama-server on the CPU.
 
 With --kq-mask-device the cells' positions live in a table of the KV cache's buffer type, and a graph
 writes only the cells edited since the table last got them (set_rows of a few values), or every cell

@@ -1,4 +1,4 @@
-"""Mixed devices in a layer split (issue 13, item 6) through the real llama-server.
+"""Mixed devices in a layer split through the real llama-server.
 
 The mixed-GPU post ran one model over a CUDA device and a Vulkan one: devices that differ in what they
 support. Here two rpc-servers on loopback stand for the devices, with some layers left on the host's CPU

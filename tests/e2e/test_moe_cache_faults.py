@@ -251,7 +251,7 @@ def test_server_reads_the_cache_variables_and_their_old_names(tiny_model, env, s
 
 
 def test_the_json_names_each_cached_layers_device(tiny_model):
-    """/moe-cache names the device of every cached layer (patch 0065): with a layer split, each layer's
+    """/moe-cache names the device of every cached layer: with a layer split, each layer's
     slots are on its own device (tests/gpu/test_moe_cache_layer_split_gpu.py); here the host test device."""
     with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "4"], env=HOST, timeout=60) as srv:
         complete(srv, PROMPTS[0], n_predict=4)

@@ -153,7 +153,7 @@ def test_an_incomplete_layer_keeps_its_miss_branch(tiny_model, stock):
 
 @pytest.mark.parametrize("table", [True, False], ids=["one-ffn", "two-branches"])
 def test_hits_and_device_misses_in_one_expert_ffn(tiny_model, stock, table):
-    """Patch 0022: with the misses on a device that reads address tables, a cached layer runs one expert
+    """With the misses on a device that reads address tables, a cached layer runs one expert
     FFN whose experts are read at their table addresses (a slot, or the mapped host matrix), the stock
     graph's nodes only (on by default); LLAMA_MOE_CACHE_TABLE=0 keeps the
     two branches. Both give the stock output bit for bit while slots fill and serve hits."""

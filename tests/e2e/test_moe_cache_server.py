@@ -1,4 +1,4 @@
-"""Hot-expert cache (patch 0002) through the real llama-server on loopback.
+"""Hot-expert cache through the real llama-server on loopback.
 
 CI has no GPU: LLAMA_MOE_CACHE_HOST_DEVICE=1 puts the slot banks in host memory, so the hit/miss
 split, the maps, the uploads and their publishing all run on every CI run (hits and misses both on
@@ -200,7 +200,7 @@ def test_the_cache_fills_between_the_ubatches_of_one_decode(tiny_model):
 
 
 def test_each_expert_s_routed_tokens_add_up_to_the_layer_s_routing(tiny_model):
-    """/moe-cache's "routed" (patch 0071, the dashboard's heat): per cached layer, each expert's routed
+    """/moe-cache's "routed" (the dashboard's heat): per cached layer, each expert's routed
     tokens since the stats were reset; they add up to the layer's hits + misses."""
     with ServerProcess(tiny_model, args=BASE_ARGS + ["--moe-cache-slots", "4"], env=HOST, timeout=120) as srv:
         complete(srv, PROMPTS[0], n_predict=16)

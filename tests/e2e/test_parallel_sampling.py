@@ -1,4 +1,4 @@
-"""The slots of a step sample at once, one thread each (patch 0039), through the real llama-server on the
+"""The slots of a step sample at once, one thread each, through the real llama-server on the
 CPU with five sessions decoding together.
 
 Upstream samples the slots of a step one after the other; each sampler builds its candidates over the

@@ -2,7 +2,7 @@
 GPU (LLAMA_MOE_CACHE_HOST_DEVICE=1, its size LLAMA_MOE_CACHE_HOST_DEVICE_MIB): the plan's figures come
 from llama-server --memory-probe (a no_alloc model and context) and must be what the server then
 allocates: its KV buffer, its compute buffer and its slot banks, and the slot count, which must survive
-a prompt that swaps (patch 0072: the restore used to reserve larger decode buffers and lose a slot).
+a prompt that swaps (the swap's restore used to reserve larger decode buffers and lose a slot).
 `moecache-server --plan auto` applies the plan; a budget that cannot hold the context says what to change.
 """
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism with tensor overrides (patches 0060-0061, issue 13) through the real llama-server.
+"""Pipeline parallelism with tensor overrides (--pp-overrides) through the real llama-server.
 
 A layer split over two rpc-servers on loopback (two devices, as two GPUs would be). Upstream turns the
 scheduler's pipeline parallelism off for any tensor override; with --pp-overrides it stays on where no

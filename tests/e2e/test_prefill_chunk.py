@@ -1,4 +1,4 @@
-"""Prefill in chunks beside decoders (--prefill-chunk, issue 13) through the real llama-server.
+"""Prefill in chunks beside decoders (--prefill-chunk) through the real llama-server.
 
 The server puts every generating slot's next token and up to n_batch prompt tokens into one batch per
 step, so a long prompt arriving while others decode holds each decoder's next token for a whole batch of

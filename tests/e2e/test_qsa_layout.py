@@ -1,4 +1,4 @@
-"""The QSA block layout kept across ubatches (patch 0028) through the real llama-server on the CPU.
+"""The QSA block layout kept across ubatches through the real llama-server on the CPU.
 
 Where a KV stream holds one sequence, set_input_qsa takes each block's cells from a layout it keeps
 and updates only where the cells' positions changed, instead of regrouping every cell per ubatch.
@@ -7,7 +7,7 @@ that completes under it is a request on which the two agreed on every ubatch: a 
 ubatches of 16, a prompt extended from the cache, one that leaves it, one cleared slot, two
 sequences in one unified stream (the grouped scan's case) and five streams at once.
 LLAMA_QSA_LAYOUT_FAST=0 is the pin's path: the output is the same bit for bit. Under the same switch, each
-in-place update of the layout (patch 0056: a grown window, a cut of the tail) is compared with a rebuild
+in-place update of the layout (a grown window, a cut of the tail) is compared with a rebuild
 from the cells, field by field, and aborts on any difference.
 """
 
@@ -59,7 +59,7 @@ def complete_with(srv, req):
 @pytest.mark.parametrize("device", [[], ["--kq-mask-device"]], ids=["host-bias", "device-bias"])
 def test_the_kept_layout_equals_the_grouped_one_on_every_ubatch(qwen4exp_8l, text, device):
     """With --kq-mask-device the layouts write the device's block values and tails instead of the
-    bias rows (patch 0029): compared the same way."""
+    bias rows: compared the same way."""
     reqs = requests(text)
     checked, log = run(qwen4exp_8l, {"LLAMA_QSA_LAYOUT_CHECK": "1"}, reqs, extra=device)
     assert CHECKED in log
@@ -92,7 +92,7 @@ BUILT = "llama_qsa_layout: built over"
 
 
 def test_a_growing_window_and_a_cut_tail_update_the_layout_in_place(qwen4exp_8l, text):
-    """Patch 0056: a prompt ubatch's larger window (n_kv) used to rebuild the layout over every cell, and
+    """A prompt ubatch's larger window (n_kv) used to rebuild the layout over every cell, and
     so did a request's cut of the slot's tail (a full block losing a cell); now the layout takes the new
     cells and drops only the cut blocks' ids. Under LLAMA_QSA_LAYOUT_CHECK=1 and bit for bit against the
     rebuilds (LLAMA_QSA_LAYOUT_INCREMENTAL=0), with the layout built once where it was built on every

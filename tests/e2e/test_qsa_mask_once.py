@@ -1,4 +1,4 @@
-"""QSA's indexer reads the KQ mask in f32 (patch 0042): one f32 mask for every QSA layer of a graph, the
+"""QSA's indexer reads the KQ mask in f32: one f32 mask for every QSA layer of a graph, the
 device-built mask's own f32 values with --kq-mask-device (they are 0 or -inf, exact in f16), one cast of
 the host's f16 mask otherwise, where the pin cast it once per QSA layer. A qwen4exp of 8 layers has two
 QSA layers: every node timed (GGML_SCHED_OP_TIMES) shows how many casts each graph runs, and the output

@@ -1,4 +1,4 @@
-"""The pooled-key store of QSA layers (patch 0030) through the real llama-server on the CPU.
+"""The pooled-key store of QSA layers through the real llama-server on the CPU.
 
 Each QSA layer keeps the pooled (normed, rotated) indexer key of every full block beside its cache,
 so a ubatch pools only the blocks the store lacks (new, changed, or written by it) and reads the
@@ -73,7 +73,7 @@ def test_a_store_that_cannot_be_allocated_leaves_the_pins_pooling(qwen4exp_8l, t
 
 
 def test_a_prompt_in_several_batches_pools_only_its_new_blocks(qwen4exp_8l, text):
-    """The server removes a slot's cells past its end before every batch of a prompt (patch 0044): a range
+    """The server removes a slot's cells past its end before every batch of a prompt: a range
     that holds none of them changes no cell, so the store stays and each ubatch gathers the members of its
     new blocks only (GGML_SCHED_OP_TIMES names the gather: `qsa_pool_members`, r cells for each of
     pool_cap blocks), where every batch's first ubatch used to gather every block's. The output is the pin's bit for bit."""

@@ -1,4 +1,4 @@
-"""QSA's block tables kept on the device (patch 0059) through the real llama-server on the CPU.
+"""QSA's block tables kept on the device through the real llama-server on the CPU.
 
 With --qsa-sparse --kq-mask-device --qsa-block-topk and the pooled-key store, the per-block inputs of
 QSA's block-level top-k (each block id's cells, its first position and visibility for the top-k and

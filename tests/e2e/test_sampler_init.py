@@ -1,4 +1,4 @@
-"""A prompt's sampler set-up reads only the tokens its samplers can remember (patch 0037), through the
+"""A prompt's sampler set-up reads only the tokens its samplers can remember, through the
 real llama-server on the CPU.
 
 Before a prompt's first token the server resets the slot's sampler and accepts every prompt token, one

@@ -1,4 +1,4 @@
-"""The scheduler copies a split's user inputs in one batch (patch 0057) through the real llama-server.
+"""The scheduler copies a split's user inputs in one batch through the real llama-server.
 
 A split on a device backend that sets tensors asynchronously (here an rpc-server on loopback; CUDA on
 the H200: tests/gpu/test_sched_input_copy_gpu.py) gets the host's inputs (tokens, positions, masks,

@@ -1,9 +1,9 @@
-"""GGML_SCHED_TIMES (patches 0033, 0034): the scheduler reports each backend's time in its splits, the input
+"""GGML_SCHED_TIMES: the scheduler reports each backend's time in its splits, the input
 copies apart, and the host's time between graphs, when it is freed (1) or every N graphs (N > 1).
 A hybrid graph of two backends (the layers on an rpc-server on loopback, the experts on the CPU:
 `-ot exps=CPU`) must report both, with the splits they ran, and the context its host steps per ubatch
 (each input by type); without the variable nothing is reported.
-GGML_SCHED_OP_TIMES=N (patch 0040) times every node on its own, by backend, op, name without the layer's
+GGML_SCHED_OP_TIMES=N times every node on its own, by backend, op, name without the layer's
 number and shape, every N graphs: the entries must name the layers' ops once with a count per layer, fit
 in the backend's compute time, and leave the output as it was.
 """
@@ -44,7 +44,7 @@ def test_each_backend_reports_its_splits(tiny_model, rpc_servers):
     untimed = run_bench(tiny_model, port)
     assert "ggml_sched_times" not in untimed and "llama_host_times" not in untimed
     assert "ggml_sched_op_times" not in untimed
-    # the context's host steps (patch 0034): one line at free, the inputs by type, decode >= compute
+    # the context's host steps: one line at free, the inputs by type, decode >= compute
     [(ubatches, decode_ms, compute_ms, inputs)] = steps
     assert int(ubatches) == N_GEN + 1
     assert float(decode_ms) >= float(compute_ms) > 0

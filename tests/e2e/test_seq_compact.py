@@ -1,4 +1,4 @@
-"""Sequence compaction in the server (--seq-compact, issue 13) through the real llama-server.
+"""Sequence compaction in the server (--seq-compact) through the real llama-server.
 
 With a KV cache per slot (-no-kvu) llama.cpp's ubatch split takes only consecutive sequence ids, so when
 the session of a slot in the middle ends, the generating slots around the gap decode as two ubatches per

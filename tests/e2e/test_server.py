@@ -169,8 +169,8 @@ def test_bench_smoke_scenario_writes_md_and_json(tmp_path, tiny_model, llama_ser
                        env={**subprocess_env, "GGML_SCHED_TIMES": "4", "LLAMA_ARG_LOG_VERBOSITY": "4"},
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
-    # --server-logs keeps each arm's log, with the per-backend times of every 4 graphs (GGML_SCHED_TIMES,
-    # patch 0033; the library's info lines show from verbosity 4)
+    # --server-logs keeps each arm's log, with the per-backend times of every 4 graphs (GGML_SCHED_TIMES;
+    # the library's info lines show from verbosity 4)
     assert sorted(p.name for p in logs.iterdir()) == ["smoke-ub32.log", "smoke-ub512.log"]
     for log in logs.iterdir():
         assert "ggml_sched_times: backend=CPU" in log.read_text(errors="replace"), log.name

@@ -1,4 +1,4 @@
-"""POST /slots/N?action=copy (patch 0038): an idle slot's cached prompt copied into other idle slots,
+"""POST /slots/N?action=copy: an idle slot's cached prompt copied into other idle slots,
 through the real llama-server on the CPU with the tiny qwen4exp (KV cells, recurrent state, the QSA
 indexer's keys, and the context checkpoints a hybrid model needs to reuse a prefix).
 

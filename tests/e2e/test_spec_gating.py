@@ -1,4 +1,4 @@
-"""N-gram speculation that is safe to leave on (issue 4) through the real llama-server, with a small
+"""N-gram speculation that is safe to leave on through the real llama-server, with a small
 real model (Gemma 3 270M from PyPI): exact output, fresh n-gram state per new prompt, the load gate,
 the acceptance gate, flag errors.
 

@@ -1,9 +1,10 @@
 """The CPU's experimental MUL_MAT_ID switches on the H200 machine's CPU (its AVX512 VNNI kernels): with every
 routed expert in pinned host buffers (the GGUF layout the hot-expert cache uploads from), decode with
-GGML_CPU_MMID_FLAT=1 (patch 0077) and GGML_CPU_DOT_X4=1 (patch 0079) must be bit-identical to the stock
+GGML_CPU_MMID_FLAT=1 and GGML_CPU_DOT_X4=1 must be bit-identical to the stock
 path, with the experts computed on the CPU and with the cache's misses computed there; switched by the
-environment variables and by patch 0080's flags (whose path the CPU backend's line confirms). The model is the
-tiny preset in Q4_0, the type with a four-row kernel. The CPU e2e twin is tests/e2e/test_cpu_mmid_switches.py.
+environment variables and by the per-context flags (whose path the CPU backend's line confirms). The model
+is the tiny preset in Q4_0, the type with a four-row kernel. The CPU e2e twin is
+tests/e2e/test_cpu_mmid_switches.py.
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.
 """
@@ -22,7 +23,7 @@ BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-l
 CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16",
               "--moe-cache-rebalance-interval", "4"]
 SWITCHES = {"GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"}
-FLAGS = ["--cpu-experts-flat", "--cpu-experts-x4", "-lv", "4"]  # patch 0080: the same switches per context
+FLAGS = ["--cpu-experts-flat", "--cpu-experts-x4", "-lv", "4"]  # the same switches per context
 SAID = "one token's experts (q4_0): flat split of rows, four-row dot products"
 
 

@@ -1,4 +1,4 @@
-"""Decode groups over a layer split on CUDA devices (issue 13; patches 0066-0069) on one H200.
+"""Decode groups over a layer split on CUDA devices (output slots, --decode-groups) on one H200.
 
 GGML_CUDA_DEVICES=2 shows two virtual devices on the one GPU, each with its own stream, so `-sm layer`
 runs the scheduler's pipeline with events between the devices. With --decode-groups the server keeps

@@ -1,4 +1,4 @@
-"""Flash attention's per-query sparse gather (ggml_flash_attn_ext_set_sparse_per_query, patch 0054) on CUDA.
+"""Flash attention's per-query sparse gather (ggml_flash_attn_ext_set_sparse_per_query) on CUDA.
 
 With a mask that leaves each query a short list of columns and the op's n_kv_max hint, the pin's CUDA
 flash attention gathers per group of 8 queries the union of their columns (per query for at most 4

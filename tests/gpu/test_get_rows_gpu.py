@@ -1,4 +1,4 @@
-"""CUDA get_rows of short rows (patch 0032): one thread per value gives the CPU's rows.
+"""CUDA get_rows of short rows: one thread per value gives the CPU's rows.
 
 A QSA layer's expansion in decode gathers n_kv rows of one value each. test-backend-ops compares the
 CUDA op with the CPU's over upstream's cases and the patch's: rows of 1, 3 and 64 values, 70000 of
@@ -43,7 +43,7 @@ CAST_CASE = re.compile(r"GET_ROWS_CAST\(type=(\w+),type_dst=(\w+),n=(\d+),[^)]*\
 
 
 def test_get_rows_with_its_cast_on_cuda_equals_the_cpu():
-    """Patch 0049: a get_rows whose rows go to f16/bf16 runs as one gather on CUDA (fused), from f16,
+    """A get_rows whose rows go to f16/bf16 runs as one gather on CUDA (fused), from f16,
     f32, bf16, q8_0 and q4_0 rows; the CPU runs the two ops."""
     proc = subprocess.run([str(binary("test-backend-ops")), "test", "-o", "GET_ROWS_CAST", "-b", "CUDA0"],
                           capture_output=True, text=True, timeout=300)

@@ -1,4 +1,4 @@
-"""Pinned host buffers on transparent huge pages (patch 0075, --host-hugepages or GGML_CUDA_HOST_HUGEPAGES=1):
+"""Pinned host buffers on transparent huge pages (--host-hugepages or GGML_CUDA_HOST_HUGEPAGES=1):
 the experts in host memory come from an MADV_HUGEPAGE mapping page-locked with cudaHostRegister instead of
 cudaMallocHost. Same bytes, same kernels: the output must be bit-identical, with the experts computed
 on the CPU and uploaded into the hot-expert cache's slots from there. When the huge pages cannot be had

@@ -1,4 +1,4 @@
-"""The KQ mask built on the device (--kq-mask-device, patch 0026) on CUDA: the demo model and the tiny
+"""The KQ mask built on the device (--kq-mask-device) on CUDA: the demo model and the tiny
 qwen4exp with every layer on the GPU. The mask's values are the host's, so the output is the stock
 output bit for bit; and the mask's nodes run on the GPU beside the attention (no extra split).
 

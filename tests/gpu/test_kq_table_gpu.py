@@ -1,4 +1,4 @@
-"""The device mask's cell positions kept on the GPU across graphs (patch 0058) on CUDA: a graph writes
+"""The device mask's cell positions kept on the GPU across graphs on CUDA: a graph writes
 only the cells edited since (set_rows into the table in VRAM), or the window whole where more were.
 The output equals LLAMA_KQ_TABLE=0's (the positions uploaded whole each ubatch) bit for bit on the demo
 model and on the tiny qwen4exp with QSA's sparse path and block-level top-k, through requests that cut

@@ -1,4 +1,4 @@
-"""Hot-expert cache on CUDA (patch 0002): the equality checks of tests/e2e/test_moe_cache_server.py
+"""Hot-expert cache on CUDA: the equality checks of tests/e2e/test_moe_cache_server.py
 with the slot banks in VRAM and the misses on the CPU. Through the server (own process).
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.

@@ -1,8 +1,8 @@
-"""The hot-expert cache and the prefill-phase swap over a layer split (issue 13) on one H200.
+"""The hot-expert cache and the prefill-phase swap over a layer split on one H200.
 
 GGML_CUDA_DEVICES=2 makes the pin's CUDA backend show two virtual devices on the one GPU. With `-sm layer`
 and the experts on the host (--cpu-moe), each cached layer keeps its slots on its own device, which the
-cache's JSON names (patch 0065); the prefill-phase swap releases and restores the banks of both. A
+cache's JSON names; the prefill-phase swap releases and restores the banks of both. A
 layer's kernels and their order do not depend on which device runs it, so the greedy tokens and
 log-probabilities equal one device's with the same cache and swap, bit for bit.
 

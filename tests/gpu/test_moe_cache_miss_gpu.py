@@ -1,4 +1,4 @@
-"""Hot-expert cache misses on CUDA (--moe-cache-miss gpu, patches 0014-0016): the GPU reads the
+"""Hot-expert cache misses on CUDA (--moe-cache-miss gpu): the GPU reads the
 missed experts in host memory in place (pinned at start-up), so no cached layer splits the graph.
 The tiny preset's rows (64 values) are shorter than the GPU kernels' tiles, so these tests use the
 `demo` preset (rows of 256). Through the server (own process).
@@ -92,7 +92,7 @@ def all_in_vram(demo_model):
 
 
 def test_one_expert_ffn_on_cuda_is_the_all_in_vram_result(demo_model, all_in_vram):
-    """Patches 0021-0022 on CUDA, on by default: hits (slots) and misses (host experts read in place)
+    """The one expert FFN on CUDA, on by default: hits (slots) and misses (host experts read in place)
     run in one expert FFN through the expert tables, i.e. the same mmvq kernels over the same bytes as
     with every expert in VRAM: the same tokens and log-probabilities, bit for bit, while the slots fill."""
     args = BASE_ARGS + ["-ub", "1", "--moe-cache-slots", "16", "--moe-cache-miss", "gpu",
@@ -108,7 +108,7 @@ def test_one_expert_ffn_on_cuda_is_the_all_in_vram_result(demo_model, all_in_vra
 
 
 def test_tables_off_keeps_two_branches(demo_model, stock):
-    """LLAMA_MOE_CACHE_TABLE=0: the two-branch graph of patches 0015-0018; the stock tokens."""
+    """LLAMA_MOE_CACHE_TABLE=0: the two-branch graph (a hit and a miss branch); the stock tokens."""
     args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "gpu"]
     with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_TABLE": "0"}, timeout=180) as srv:
         outs = [complete(srv, p) for p in PROMPTS]

@@ -1,9 +1,9 @@
-"""A layer split over several CUDA devices with pipeline parallelism (issue 13; patches 0060-0062) on one H200.
+"""A layer split over several CUDA devices with pipeline parallelism (--pp-overrides) on one H200.
 
 GGML_CUDA_DEVICES=N makes the pin's CUDA backend show N virtual devices on the one physical GPU, each with
 its own stream, so `-sm layer` runs the real multi-GPU path: the scheduler's pipeline (n_copies of every
 split input, events between the devices) and CUDA's copies between devices, which run on the source
-device's stream. Patch 0062 makes such a copy wait for the destination's last use of its buffer; without
+device's stream. The hop wait makes such a copy wait for the destination's last use of its buffer; without
 it (GGML_SCHED_HOP_WAIT=0) a race is possible, not certain, so the equality below holds either way: the
 test checks that the waits are taken and change nothing. Greedy tokens and log-probabilities over 2 and
 3 devices equal one device's, bit for bit, on the demo model and on the tiny qwen4exp (recurrent and QSA

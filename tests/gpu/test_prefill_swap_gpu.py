@@ -1,4 +1,4 @@
-"""The prefill-phase swap on CUDA (patches 0011-0013): the cache's banks in VRAM, the experts in host
+"""The prefill-phase swap on CUDA: the cache's banks in VRAM, the experts in host
 memory. The checks of tests/e2e/test_prefill_swap.py with the banks, compute buffers and CUDA pools
 really freed and allocated again, and CUDA graphs captured before a swap dropped with the pools.
 

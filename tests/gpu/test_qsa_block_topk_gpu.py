@@ -1,4 +1,4 @@
-"""QSA's block-level top-k (--qsa-block-topk, patch 0047) on CUDA: tiny-qwen4exp-8l (two QSA layers)
+"""QSA's block-level top-k (--qsa-block-topk) on CUDA: tiny-qwen4exp-8l (two QSA layers)
 with every layer on the GPU, at a depth of ~2.5k tokens in ubatches of 16. The block level selects the
 cells of the cell level with the same tie rule (LLAMA_QSA_BLOCK_TOPK_BLOCKS above the block count turns
 it off), so the output is equal bit for bit: masked, with the device-built mask, with sparse attention,

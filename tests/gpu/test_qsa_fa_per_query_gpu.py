@@ -1,7 +1,7 @@
-"""QSA's prompt ubatches ask flash attention for per-query sparse gathers (--qsa-sparse, patch 0055) on CUDA.
+"""QSA's prompt ubatches ask flash attention for per-query sparse gathers (--qsa-sparse) on CUDA.
 
 The pin's CUDA flash attention gathers, for a batch with a sparse mask, the union of each 8 queries'
-selected cells; with --qsa-sparse the masked attention sets the per-query hint (patch 0054), so each query
+selected cells; with --qsa-sparse the masked attention sets the per-query hint, so each query
 gathers its own. The sparse variants exist for heads of 256 with 8 query heads per KV head, so the model is
 tiny-qwen4exp with qwen4exp's attention heads (16 of 256, 2 KV) and a top-k of 256 cells: with the tiny
 preset's 8, a 256-token ubatch's selections (2048 rows) are fewer than the cells past 2048, and

@@ -1,5 +1,5 @@
-"""The QSA block layout kept across ubatches (patch 0028), the per-block bias built on the device
-(patch 0029, with --kq-mask-device) and the pooled-key store (patch 0030) on CUDA: tiny-qwen4exp with
+"""The QSA block layout kept across ubatches, the per-block bias built on the device
+(with --kq-mask-device) and the pooled-key store on CUDA: tiny-qwen4exp with
 every layer on the GPU. The layout's tensors are the pin's bit for bit (LLAMA_QSA_LAYOUT_CHECK=1
 aborts on a difference) and the store's keys run the pin's per-row ops, so the output equals the
 pin's path (LLAMA_QSA_LAYOUT_FAST=0: grouped scan, every block pooled, host bias) exactly: a deep

@@ -1,7 +1,7 @@
-"""QSA sparse attention (--qsa-sparse, patch 0024) on CUDA: tiny-qwen4exp with every layer on the
+"""QSA sparse attention (--qsa-sparse) on CUDA: tiny-qwen4exp with every layer on the
 GPU, f16 and q8_0 KV. The gathered path attends the same cells as the masked one: the same greedy
 tokens, log-probabilities within device rounding, at a depth of ~2.5k tokens, prompt and decode.
-The gathered rows go to f16 in the gather itself (patches 0049-0050): bit for bit what the gather and
+The gathered rows go to f16 in the gather itself: bit for bit what the gather and
 its cast give, in decode after prompt ubatches of 256 tokens.
 
 Marked `gpu`: run by benchmarks/gpu/run.sh on the H200.

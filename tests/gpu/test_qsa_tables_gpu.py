@@ -1,4 +1,4 @@
-"""QSA's block tables kept in VRAM across graphs (patch 0059) on CUDA: with --qsa-sparse --kq-mask-device
+"""QSA's block tables kept in VRAM across graphs on CUDA: with --qsa-sparse --kq-mask-device
 --qsa-block-topk a graph writes the block ids that changed into the tables (set_rows) instead of
 uploading every block id's inputs each ubatch. The output equals LLAMA_QSA_TABLES=0's bit for bit on
 the tiny qwen4exp with two QSA layers, through a deep prompt, a shared prefix with the tail cut, a

@@ -1,4 +1,4 @@
-"""The CUDA fusion of a relu and its sum over dimension 1 (patch 0043): QSA's indexer rectifies each
+"""The CUDA fusion of a relu and its sum over dimension 1: QSA's indexer rectifies each
 head's block scores and sums the heads, one [n_blocks, n_tokens] view at a time, which made a relu pass
 and one add per head over [n_blocks, n_heads, n_tokens]; the fused kernel reads the scores once and adds
 the rectified heads in the graph's order, so the output is the unfused one bit for bit. tiny-qwen4exp

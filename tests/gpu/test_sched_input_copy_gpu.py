@@ -1,4 +1,4 @@
-"""The scheduler's batched input copies (patch 0057) on CUDA: the host's inputs of a CUDA split go as
+"""The scheduler's batched input copies on CUDA: the host's inputs of a CUDA split go as
 asynchronous copies on the backend's stream between one wait before and one after. The output is
 the same bit for bit as with one synchronous copy each (GGML_SCHED_INPUT_COPY_BATCH=0), on the demo
 model with its experts on the CPU (a hybrid graph: CPU splits between CUDA ones) and on the tiny

@@ -1,5 +1,5 @@
-"""CUDA top-k (patch 0031): many long rows in one radix select pick the CPU's indices; ggml_top_k_ordered
-(patch 0046) returns exactly the CPU's indices in the CPU's order.
+"""CUDA top-k: many long rows in one radix select pick the CPU's indices; ggml_top_k_ordered
+returns exactly the CPU's indices in the CPU's order.
 
 test-backend-ops compares the CUDA op with the CPU's as index sets (by value where there are ties),
 over upstream's cases and the patch's: rows of 262144 cells with k 2051, the shape of a QSA prefill

@@ -1,5 +1,5 @@
-// MUL_MAT_ID skip ids on the CPU (patch 0001): a row whose id is < 0 is zero, and every other row
-// equals the same product computed with no id skipped. ggml_mul_mat_id_table (patch 0021): matrices
+// MUL_MAT_ID skip ids on the CPU: a row whose id is < 0 is zero, and every other row
+// equals the same product computed with no id skipped. ggml_mul_mat_id_table: matrices
 // read through an address table, half of them from another tensor, give the plain op's result bit
 // for bit. test-backend-ops checks other backends against the CPU; this checks the CPU itself, so it
 // runs where there is no second backend.

@@ -21,15 +21,15 @@ def run_native(name: str, *args: str, timeout: float = 600) -> str:
 
 
 def test_mul_mat_id_skip_ids_on_cpu():
-    """Patch 0001: MUL_MAT_ID rows with id < 0 are zero, the others unchanged (F32/F16/Q4_0/Q8_0/Q4_K, 1..64 tokens)."""
+    """MUL_MAT_ID rows with id < 0 are zero, the others unchanged (F32/F16/Q4_0/Q8_0/Q4_K, 1..64 tokens)."""
     out = run_native("test-mul-mat-id-skip", "2")
     assert "140 passed, 0 failed" in out, out[-2000:]
-    # ggml_mul_mat_id_table (patch 0021): matrices through an address table equal the plain op bit for bit
+    # ggml_mul_mat_id_table: matrices through an address table equal the plain op bit for bit
     assert "table: 35 passed, 0 failed" in out, out[-2000:]
 
 
 def test_top_k_ordered_on_cpu():
-    """Patch 0046: ggml_top_k_ordered takes ties at the k-th value from the lowest indices and returns the
+    """ggml_top_k_ordered takes ties at the k-th value from the lowest indices and returns the
     indices in increasing order (rows with long runs of ties and -inf), and the top k of a subsequence
     holding a row's top k, mapped back, is the row's (what QSA's block-level top-k rests on)."""
     out = run_native("test-top-k-ordered", "2")
@@ -38,15 +38,15 @@ def test_top_k_ordered_on_cpu():
 
 
 def test_moe_cache_policies():
-    """Patch 0002: fill order, FREQ rebalance with hysteresis, LRU admission gate and victim, upload cap,
-    busy slots, failed uploads, pins, and the map invariants under random routing."""
+    """The cache's policies: fill order, FREQ rebalance with hysteresis, LRU admission gate and victim,
+    upload cap, busy slots, failed uploads, pins, and the map invariants under random routing."""
     out = run_native("test-moe-cache-policy")
     assert out.strip().endswith("0 failed"), out[-2000:]
     assert " passed," in out
 
 
 def test_the_qsa_indexer_bench_times_every_stage():
-    """benchmarks/native/bench_qsa_indexer.cpp (issue 12): one JSON line per stage and shape, each a
+    """benchmarks/native/bench_qsa_indexer.cpp: one JSON line per stage and shape, each a
     positive median time, on the CPU here (the device phase runs it on the GPU at depth)."""
     import json
 
@@ -70,14 +70,14 @@ def test_the_qsa_indexer_bench_names_a_bad_argument():
 
 
 def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_and_x4_dots_are_exact():
-    """benchmarks/native/bench_cpu_mmid.cpp (issue 11): one JSON line per mode and thread count, a positive
+    """benchmarks/native/bench_cpu_mmid.cpp: one JSON line per mode and thread count, a positive
     time per token and the expert bytes a token reads (a small shape here: 2 layers, 16 experts, 2 used; the
-    device phase runs the 30B shape). Its checksum of the outputs is the same with patch 0077's flat split
+    device phase runs the 30B shape). Its checksum of the outputs is the same with the flat split
     (GGML_CPU_MMID_FLAT=1) as with the stock one, in the GGUF layout and repacked for the CPU, and with
     huge pages: the flat split computes the same rows, bit for bit (checked to fail with rows left out).
-    The same with patch 0079's four-row dot products (GGML_CPU_DOT_X4=1), alone and with the flat split
+    The same with the four-row dot products (GGML_CPU_DOT_X4=1), alone and with the flat split
     (checked to fail with two rows' results swapped and with the kernel's last block left out), and with
-    both turned on for the tool's CPU backend alone by patch 0080's setters (--flat --x4), whose path the
+    both turned on for the tool's CPU backend alone by the per-context setters (--flat --x4), whose path the
     backend's line names (and the stock path's runs have no such line)."""
     import json
     import os

@@ -1,4 +1,4 @@
-"""moecache-server serves its dashboard at the server's URL (issue 15, part 3): the page ships in the
+"""moecache-server serves its dashboard at the server's URL: the page ships in the
 package, and the wrapper points llama-server's static path at it unless the user turns it off or serves
 their own files."""
 

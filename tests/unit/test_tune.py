@@ -1,4 +1,4 @@
-"""`moecache tune` (issue 15, part 2): the cache's policy, settings and slots from a routing trace.
+"""`moecache tune`: the cache's policy, settings and slots from a routing trace.
 
 The traces here are written by the test: two layers whose tokens route mostly into a hot set of experts
 that moves every phase, so that the policies and their settings differ in hit rate. The choice must be
