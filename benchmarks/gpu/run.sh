@@ -307,13 +307,15 @@ while [ $i -lt ${#phases[@]} ]; do
             rm -rf "$ref" && mkdir -p "$ref/src"
             tar -xzf .carry/ref-src.tar.gz -C "$ref/src"
             log "build-ref: $(tar -tzf .carry/ref-src.tar.gz | head -1) in the background, ${REF_JOBS:-8} jobs"
-            (t0=$(date +%s)
-             cmake -S "$ref/src" -B "$ref/build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 \
-                 -DGGML_NATIVE=on -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" > "$out/build-ref.log" 2>&1 \
-             && cmake --build "$ref/build" --target llama-server -j "${REF_JOBS:-8}" >> "$out/build-ref.log" 2>&1 \
-             && echo "build-ref: done in $(( $(date +%s) - t0 )) s" >> "$out/run.log" \
-             || echo "build-ref: FAILED (see build-ref.log)" >> "$out/run.log"
-             rm -f "$ref.pid") &
+            # a session of its own: it goes on after this call returns, while the machine is kept
+            setsid bash -c '
+                t0=$(date +%s)
+                cmake -S "$1/src" -B "$1/build" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 \
+                    -DGGML_NATIVE=on -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" > "$2/build-ref.log" 2>&1 \
+                && cmake --build "$1/build" --target llama-server -j "$3" >> "$2/build-ref.log" 2>&1 \
+                && echo "[$(date +%H:%M:%S)] build-ref: done in $(( $(date +%s) - t0 )) s" >> "$2/run.log" \
+                || echo "[$(date +%H:%M:%S)] build-ref: FAILED (see build-ref.log)" >> "$2/run.log"
+                rm -f "$1.pid"' build-ref "$ref" "$out" "${REF_JOBS:-8}" < /dev/null > /dev/null 2>&1 &
             echo $! > "$ref.pid"
         fi
         ;;
