@@ -55,11 +55,15 @@ class FeatureOption:
     env: str
     aliases: tuple[str, ...]
     default: object
-    minimum: int | None
-    maximum: int | None
+    minimum: float | None
+    maximum: float | None
     what: str
     choices: tuple[str, ...] = ()  # a word option: one of these, spelled exactly so
     boolean: bool = False
+    # where the Python API takes it, by the table's key: "context" (Model.context(...)), "model"
+    # (moecache.Model(...)), or None: llama-server only (slots, speculation and probes are the server's)
+    python: str | None = "context"
+    kind: str = "int"  # of a value that is neither a word nor a boolean: "int", "float" or "path"
 
     @property
     def env_names(self) -> tuple[str, ...]:
@@ -86,8 +90,9 @@ MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
         "--moe-cache-size", "LLAMA_ARG_MOE_CACHE_SIZE", (), 0, 0, _INT32_MAX,
         "VRAM budget in MiB for all cached layers, used when moe_cache_slots is 0"),
     "moe_cache_policy": FeatureOption(
-        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None, "'freq' or 'lru'",
-        choices=MOE_CACHE_POLICIES),
+        "--moe-cache-policy", "LLAMA_ARG_MOE_CACHE_POLICY", (), "freq", None, None,
+        "which experts hold the slots: 'freq' (the most routed, rebalanced every interval) or 'lru' (admitted "
+        "after repeated misses)", choices=MOE_CACHE_POLICIES),
     "moe_cache_rebalance_interval": FeatureOption(
         "--moe-cache-rebalance-interval", "LLAMA_ARG_MOE_CACHE_REBALANCE_INTERVAL",
         ("LLAMA_ARG_MOE_HOT_REBALANCE_INTERVAL",), 40, 1, _INT32_MAX, "freq policy: tokens between rebalances"),
@@ -161,6 +166,78 @@ CPU_EXPERT_OPTIONS: dict[str, FeatureOption] = {
         "--cpu-experts-x4", "LLAMA_ARG_CPU_EXPERTS_X4", (), False, None, None,
         "experts computed on the CPU one token at a time: four Q4_0 rows' dot products at once", boolean=True),
 }
+
+# --- llama-server only: the server's slots, speculation, probes (no Python parameter) ---
+
+# n-gram speculation's gates (the first write-up's LLAMA_SERVER_SPEC_* names are aliases)
+SPECULATION_OPTIONS: dict[str, FeatureOption] = {
+    "spec_max_users": FeatureOption(
+        "--spec-max-users", "LLAMA_ARG_SPEC_MAX_USERS", ("LLAMA_SERVER_SPEC_MAX_USERS",), 2, 0, _INT32_MAX,
+        "while more slots than this generate, a slot drafts only at --spec-load-min-accept (0 = no load gate)",
+        python=None),
+    "spec_load_min_accept": FeatureOption(
+        "--spec-load-min-accept", "LLAMA_ARG_SPEC_LOAD_MIN_ACCEPT", ("LLAMA_SERVER_SPEC_LOAD_MIN_ACCEPT",), 0.5, 0, 1,
+        "under load, the acceptance average a slot needs to keep drafting (1 = no drafts under load)",
+        python=None, kind="float"),
+    "spec_min_accept": FeatureOption(
+        "--spec-min-accept", "LLAMA_ARG_SPEC_MIN_ACCEPT", ("LLAMA_SERVER_SPEC_MIN_ACCEPT",), 0.1, 0, 1,
+        "a slot pauses drafting while its acceptance average is below this (0 = off)",
+        python=None, kind="float"),
+    "spec_probe_interval": FeatureOption(
+        "--spec-probe-interval", "LLAMA_ARG_SPEC_PROBE_INTERVAL", ("LLAMA_SERVER_SPEC_PROBE_INTERVAL",), 32, 1,
+        _INT32_MAX, "generated tokens a paused slot waits before it drafts again", python=None),
+    "spec_gates": FeatureOption(
+        "--spec-gates", "LLAMA_ARG_SPEC_GATES", (), "ngram", None, None,
+        "the drafters the gates apply to: 'ngram', 'all' (draft models, EAGLE3, MTP too) or 'none' (upstream)",
+        choices=("ngram", "all", "none"), python=None),
+}
+
+# the server's slots on a layer split over several devices
+SERVER_SLOT_OPTIONS: dict[str, FeatureOption] = {
+    "seq_compact": FeatureOption(
+        "--seq-compact", "LLAMA_ARG_SEQ_COMPACT", (), False, None, None,
+        "with a KV cache per slot (-no-kvu), move a generating slot into a lower idle one so a decode step is "
+        "one ubatch", boolean=True, python=None),
+    "prefill_chunk": FeatureOption(
+        "--prefill-chunk", "LLAMA_ARG_PREFILL_CHUNK", (), 0, 0, _INT32_MAX,
+        "while slots generate, prompt tokens per step, all prompts together (0 = up to n_batch)", python=None),
+    "decode_groups": FeatureOption(
+        "--decode-groups", "LLAMA_ARG_DECODE_GROUPS", (), 0, 0, _INT32_MAX,
+        "groups of generating slots decoded in flight at once over a pipelined layer split (0 or 1 = off)",
+        python=None),
+}
+
+# host memory of the weights kept there
+HOST_MEMORY_OPTIONS: dict[str, FeatureOption] = {
+    "hugepages": FeatureOption(
+        "--host-hugepages", "LLAMA_ARG_HOST_HUGEPAGES", (), False, None, None,
+        "weights kept in host memory (not a file mapping) on transparent huge pages: the CPU reads them faster",
+        boolean=True, python="model"),
+}
+
+# what the planner and the tuner read from a server
+PROBE_OPTIONS: dict[str, FeatureOption] = {
+    "memory_probe": FeatureOption(
+        "--memory-probe", "LLAMA_ARG_MEMORY_PROBE", (), "", None, None,
+        "write what the model and context would take per device as JSON to FNAME ('-': stdout) and exit",
+        python=None, kind="path"),
+    "moe_routing_trace": FeatureOption(
+        "--moe-routing-trace", "LLAMA_ARG_MOE_ROUTING_TRACE", (), "", None, None,
+        "append every accepted token's routed experts to FNAME as JSON lines (for `moecache tune`; "
+        "Python: Context.record_routing(FNAME))", python=None, kind="path"),
+}
+
+# every option moecache adds to llama-server, by feature: (title, its docs page, table); the options
+# reference (docs/options.md) is generated from this list
+FEATURE_OPTION_TABLES: tuple[tuple[str, str, dict[str, FeatureOption]], ...] = (
+    ("Hot-expert cache", "hot-expert-cache.md", MOE_CACHE_OPTIONS),
+    ("Prefill-phase swap", "prefill-swap.md", PREFILL_SWAP_OPTIONS),
+    ("The CPU's experts", "cpu-experts.md", {**CPU_EXPERT_OPTIONS, **HOST_MEMORY_OPTIONS}),
+    ("N-gram speculation", "speculation.md", SPECULATION_OPTIONS),
+    ("Long context", "long-context.md", LONG_CONTEXT_OPTIONS),
+    ("Several GPUs", "multi-gpu.md", {**MULTI_GPU_OPTIONS, **SERVER_SLOT_OPTIONS}),
+    ("Planning and tuning", "planning.md", PROBE_OPTIONS),
+)
 
 
 def _range_text(minimum: int | None, maximum: int | None) -> str:

@@ -7,6 +7,7 @@
   verify   check every patch's header and file, apply the series from scratch, compare the tree
   status   what is pinned, the series per topic (patches, lines, size), the state of vendor/llama.cpp
   rebase   move the series onto another llama.cpp tree (3-way merge; --continue, --abort)
+  options-reference  write docs/options.md from the option tables (--check: fail when it is stale)
 
 moecache's own sources (native/) are not part of the series: edit them in place.
 The layout, the header fields and the procedure for a new llama.cpp: docs/development.md.
@@ -25,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import rebase, series, upstream
+from . import rebase, reference, series, upstream
 from .upstream import BuildError
 
 
@@ -51,6 +52,10 @@ def build_parser(prog: str = "moecache-build") -> argparse.ArgumentParser:
     g.add_argument("--continue", dest="cont", action="store_true",
                    help="go on after fixing a conflict in vendor/llama.cpp")
     g.add_argument("--abort", action="store_true", help="give up and go back to the series on the pin")
+    o = sub.add_parser("options-reference",
+                       help="write docs/options.md from moecache.options' tables and the launcher's flags")
+    o.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 when docs/options.md is stale or the tables and the series disagree")
     return p
 
 
@@ -76,6 +81,11 @@ def main(argv: list[str] | None = None, prog: str = "moecache-build") -> int:
             line = rebase.state(repo)
             if line:
                 print(line)
+        elif args.command == "options-reference":
+            problems = reference.drift(repo.patches)
+            for p in problems:
+                print(f"moecache-build: option tables and series disagree: {p}", file=sys.stderr)
+            return max(reference.write(repo.root, check=args.check), 1 if problems else 0)
         elif args.command == "rebase":
             rebase.rebase(repo, onto=Path(args.onto) if args.onto else None, cont=args.cont,
                           abort=args.abort, quiet=args.quiet)
