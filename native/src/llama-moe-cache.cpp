@@ -125,6 +125,11 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // LLAMA_MOE_CACHE_UPLOAD_DELAY_MS=N: each upload takes N ms longer (a slow link, for tests of what waits for uploads)
     const char * env_delay = getenv("LLAMA_MOE_CACHE_UPLOAD_DELAY_MS");
     upload_delay_ms = env_delay ? std::max(0, atoi(env_delay)) : 0;
+    // LLAMA_MOE_CACHE_SYNC_UPLOADS=1: a step waits for the uploads in flight, so what a step planned serves from
+    // the next step on, however fast the link: on a GPU a hit and a miss round differently, and only then
+    // are two runs bit for bit comparable
+    const char * env_sync = getenv("LLAMA_MOE_CACHE_SYNC_UPLOADS");
+    sync_uploads = env_sync && atoi(env_sync) != 0;
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
     use_tables = !env_table || atoi(env_table) != 0;
@@ -1168,6 +1173,10 @@ void llama_moe_cache::step(ggml_backend_sched_t sched, const llama_memory_i * me
     commit(sched, memory);
     if (n_cached > 0) {
         update_routes();
+        if (sync_uploads) {
+            std::unique_lock<std::mutex> lock(mutex);
+            cv.wait(lock, [this] { return in_flight == 0; });
+        }
         publish_done();
         plan_uploads(sched, false);
         flush_tables();

@@ -267,6 +267,7 @@ private:
     bool    host_device = false; // test-only: banks in host memory when the layer runs on the CPU
     bool    hold_empty  = false; // test-only: never upload
     int32_t upload_delay_ms = 0; // test-only: each upload takes this much longer
+    bool    sync_uploads = false; // test-only: a step waits for the uploads in flight (deterministic hits)
     double  host_device_mib = -1.0; // test-only: memory of the host test device in MiB, < 0 = unlimited
     double  host_device_taken_mib = 0.0; // test-only: what that device loses after the first allocation
     std::map<ggml_backend_dev_t, size_t> free_first; // free memory per device at the first allocation

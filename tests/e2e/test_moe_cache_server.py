@@ -212,3 +212,28 @@ def test_each_expert_s_routed_tokens_add_up_to_the_layer_s_routing(tiny_model):
         for l in layers:
             assert len(l["routed"]) == cache["n_expert"]
             assert sum(l["routed"]) == l["hits"] + l["misses"] > 0
+
+
+def test_synchronous_uploads_make_the_hits_independent_of_the_link(tiny_model):
+    """LLAMA_MOE_CACHE_SYNC_UPLOADS=1: a step waits for the uploads in flight, so an expert planned at
+    one step serves from the next whatever the link's speed. Uploads 25 ms slower then give the same
+    hits, step for step; without the switch they land steps later and serve fewer. (On a GPU a hit and
+    a miss round differently: the GPU tests that compare two runs bit for bit with misses need it.)"""
+    args = BASE_ARGS + ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-rebalance-interval", "4",
+                        "--moe-cache-max-uploads", "16"]
+
+    def totals(env):
+        with ServerProcess(tiny_model, args=args, env={**HOST, **env}, timeout=120) as srv:
+            outs = [complete(srv, p, n_predict=24) for p in PROMPTS]
+            return outs, cache_stats(srv)["total"]
+
+    sync = {"LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"}
+    slow = {"LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "25"}
+    fast_outs, fast = totals(sync)
+    slow_outs, slow_sync = totals({**sync, **slow})
+    _, slow_async = totals(slow)
+    assert [o["tokens"] for o in fast_outs] == [o["tokens"] for o in slow_outs]
+    assert fast["uploads"] > 0 and fast["misses"] > 0, fast
+    assert (slow_sync["hits"], slow_sync["misses"], slow_sync["uploads"]) == \
+        (fast["hits"], fast["misses"], fast["uploads"])
+    assert slow_async["hits"] < fast["hits"], (slow_async, fast)

@@ -23,6 +23,7 @@ BASE_ARGS = ["-t", "8", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "-l
 CACHE_ARGS = ["--moe-cache-slots", str(N_EXPERT // 2), "--moe-cache-max-uploads", "16",
               "--moe-cache-rebalance-interval", "4"]
 SWITCHES = {"GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"}
+SYNC_UPLOADS = {"LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"}
 FLAGS = ["--cpu-experts-flat", "--cpu-experts-x4", "-lv", "4"]  # the same switches per context
 SAID = "one token's experts (q4_0): flat split of rows, four-row dot products"
 
@@ -31,8 +32,11 @@ SAID = "one token's experts (q4_0): flat split of rows, four-row dot products"
 @pytest.mark.parametrize("cache", [False, True], ids=["cpu-experts", "cache-misses"])
 def test_the_switches_are_bit_identical_on_the_gpu_machine(tiny_q4_0, cache, by):
     args = BASE_ARGS + (CACHE_ARGS if cache else [])
-    stock_env = {k: "0" for k in SWITCHES}
-    switched = (args, SWITCHES) if by == "env" else (args + FLAGS, stock_env)
+    # with the cache, the uploads' timing decides which experts the GPU computes (which round differently
+    # from the CPU's): each step waits for them, so both runs hit the same experts at the same steps
+    sync = SYNC_UPLOADS if cache else {}
+    stock_env = {**{k: "0" for k in SWITCHES}, **sync}
+    switched = (args, {**SWITCHES, **sync}) if by == "env" else (args + FLAGS, stock_env)
     runs = {}
     for name, (run_args, env) in (("stock", (args, stock_env)), ("switched", switched)):
         with ServerProcess(tiny_q4_0, args=run_args, env=env, timeout=180) as srv:

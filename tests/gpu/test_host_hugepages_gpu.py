@@ -34,11 +34,14 @@ def _run(model, args, env=None):
                          ids=["cpu-experts", "cache", "cpu-experts-env"])
 def test_huge_page_host_buffers_are_bit_identical(tiny_model, cache, switch):
     args = BASE_ARGS + (CACHE_ARGS if cache else [])
-    base, base_st, base_kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "0"})
+    # with the cache, hits (GPU) and misses (CPU) round differently: each step waits for its uploads, so
+    # both runs hit the same experts at the same steps whatever the uploads' timing
+    sync = {"LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"} if cache else {}
+    base, base_st, base_kb, _ = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "0", **sync})
     if switch == "flag":
-        outs, st, kb, log = _run(tiny_model, [*args, "--host-hugepages"])
+        outs, st, kb, log = _run(tiny_model, [*args, "--host-hugepages"], sync)
     else:
-        outs, st, kb, log = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "1"})
+        outs, st, kb, log = _run(tiny_model, args, {"GGML_CUDA_HOST_HUGEPAGES": "1", **sync})
     assert "using cudaMallocHost" not in log  # the huge-page path ran, no fallback
     for a, b in zip(base, outs):
         assert a["tokens"] == b["tokens"]
