@@ -7,6 +7,7 @@ import sys
 SUBCOMMANDS = {
     "synth": ("moecache.synth", "write a synthetic MoE GGUF (or report its routing statistics)"),
     "bench": ("moecache.bench", "run benchmark scenarios against moecache-server"),
+    "results-index": ("moecache.bench.index", "write a results folder's index (benchmarks/results/README.md)"),
     "build": ("moecache.orchestrator.__main__", "the patch-series orchestrator (fetch, apply, edit, export, verify, status)"),
     "server": ("moecache.server", "run moecache-server (same as the moecache-server command)"),
     "info": ("moecache.info", "show the build, the devices and the system info"),

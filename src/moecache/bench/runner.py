@@ -1149,4 +1149,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
     paths = write_results(run, out_dir, paths, plots=plots) if out_dir is not None else None
     if paths:
         say(f"results: {paths[0]}\n         {paths[1]}")
+        from .index import update_if_indexed
+
+        update_if_indexed(Path(out_dir))  # a results folder with an index lists the new run
     return run, paths
