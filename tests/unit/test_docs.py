@@ -66,3 +66,25 @@ def test_a_broken_link_is_found(tmp_path):
     (tmp_path / "b.md").write_text("# B\n")
     assert broken_links(tmp_path / "a.md", tmp_path) == ["a.md:5: #nope (no such heading in a.md)",
                                                "a.md:5: c.md (no such file)"]
+
+
+FEATURE_PAGES = ("hot-expert-cache", "prefill-swap", "cpu-experts", "speculation", "long-context", "multi-gpu",
+                 "planning", "dashboard", "server")
+PATCH_NUMBER = re.compile(r"\b(?:patch(?:es)?|issue) \d{1,4}\b", re.IGNORECASE)
+
+
+def test_the_readme_is_short_and_links_every_feature_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    for page in FEATURE_PAGES + ("options", "python-api", "troubleshooting", "benchmarks", "development", "design"):
+        assert f"docs/{page}.md" in text, page
+
+
+def test_headings_and_links_name_features_not_patch_numbers():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    bad = []
+    for md in pages:
+        for n, line in enumerate(md.read_text().splitlines(), 1):
+            if line.startswith("#") or "](" in line:
+                bad += [f"{md.name}:{n}: {m.group(0)}" for m in PATCH_NUMBER.finditer(line)]
+    assert bad == []
