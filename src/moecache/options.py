@@ -387,6 +387,50 @@ PARALLEL_ENV = ("LLAMA_ARG_N_PARALLEL",)
 UBATCH_FLAGS = ("-ub", "--ubatch-size")
 UBATCH_ENV = ("LLAMA_ARG_UBATCH",)
 
+BATCH_FLAGS = ("-b", "--batch-size")
+BATCH_ENV = ("LLAMA_ARG_BATCH",)
+THREADS_FLAGS = ("-t", "--threads")
+THREADS_ENV = ("LLAMA_ARG_THREADS",)
+GPU_LAYERS_FLAGS = ("-ngl", "--gpu-layers", "--n-gpu-layers")
+GPU_LAYERS_ENV = ("LLAMA_ARG_N_GPU_LAYERS",)
+
+# llama-server's basic settings the launcher checks before starting anything: (what, flags, variables,
+# lowest, highest, words it also takes); a value out of range reached a GGML_ASSERT or a port llama-server
+# bent to another one
+BASIC_SETTINGS = (
+    (PORT_FLAGS, PORT_ENV, 0, 65535, (), "a port is 1 to 65535, or 0 for any free port", "8080"),
+    (CTX_FLAGS, CTX_ENV, 0, _INT32_MAX, (), "the context size is a token count >= 0 (0: the model's own)", "8192"),
+    (BATCH_FLAGS, BATCH_ENV, 1, _INT32_MAX, (), "the batch size is a token count >= 1", "2048"),
+    (UBATCH_FLAGS, UBATCH_ENV, 1, _INT32_MAX, (), "the micro-batch size is a token count >= 1", "512"),
+    (PARALLEL_FLAGS, PARALLEL_ENV, -1, _INT32_MAX, (), "the slot count is >= 1, or -1 for auto", "4"),
+    (THREADS_FLAGS, THREADS_ENV, -1, 4096, (), "the thread count is 1 to 4096, or 0 or -1 for every core", "8"),
+    (GPU_LAYERS_FLAGS, GPU_LAYERS_ENV, -2, _INT32_MAX, ("auto", "all"),
+     "the GPU layers are a layer count, 'auto' or 'all'", "99"),
+)
+
+
+def check_basic_settings(args: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """None when llama-server's basic settings in `args` (and their LLAMA_ARG_* variables) are in range, else
+    one message naming the flag or variable, its value, the range and the fix."""
+    for flags, env, lo, hi, words, rule, example in BASIC_SETTINGS:
+        value = find_flag_value(args, flags)
+        if value is not None:
+            flag = next((f for a in args for f in flags if a == f or a.startswith(f + "=")), flags[0])
+            given, fix = f"{flag} {value}", f"{flag} {example}"
+        else:
+            name = next((n for n in env if environ.get(n, "").strip()), None)
+            if name is None:
+                continue
+            value = environ[name].strip()
+            given, fix = f"{name}={value}", f"{name}={example}"
+        text = value.strip()
+        if text in words or (re.fullmatch(r"[+-]?[0-9]+", text) and lo <= int(text) <= hi
+                             and not (flags == PARALLEL_FLAGS and int(text) == 0)):  # llama-server refuses 0 slots
+            continue
+        return f"{given} is not valid: {rule}. Fix: e.g. {fix}."
+    return None
+
+
 PLAN_SETTINGS = {
     "-ngl": (("-ngl", "--gpu-layers", "--n-gpu-layers"), ("LLAMA_ARG_N_GPU_LAYERS",)),
     "-c": (CTX_FLAGS, CTX_ENV),

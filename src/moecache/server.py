@@ -31,8 +31,8 @@ from .gguf import check_model_file
 from .options import (_FALSE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAGS, CTX_ENV, CTX_FLAGS, EXPERT_PLACEMENT_ENV,
                       EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS, MODEL_ENV, MODEL_FLAGS,
                       PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV, PORT_FLAGS, REPACK_ENV, REPACK_FLAGS,
-                      UBATCH_ENV, UBATCH_FLAGS, _env_set, find_flag_value, has_flag, planned_args, setting_value,
-                      user_decides)
+                      UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings, find_flag_value, has_flag,
+                      planned_args, setting_value, user_decides)
 
 
 from .process import (DEFAULT_HOST, ServerError, ServerProcess, die_with_parent_hook, free_port,  # noqa: F401
@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     if ours.help:
         print_help(prog=prog)
         return 0
+    problem = check_basic_settings(rest, os.environ)
+    if problem:  # before anything starts: llama-server would assert, or listen elsewhere than it says
+        print(f"{prog}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
 
     if ours.demo:
         if has_flag(rest, MODEL_FLAGS):

@@ -161,6 +161,23 @@ def test_launcher_missing_model_is_a_clear_error(tmp_path, subprocess_env):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("args,env,expect", [
+    (["--port", "99999"], {}, "--port 99999 is not valid"),
+    (["-c", "-5"], {}, "-c -5 is not valid"),
+    ([], {"LLAMA_ARG_PORT": "70000"}, "LLAMA_ARG_PORT=70000 is not valid"),
+])
+def test_launcher_refuses_basic_settings_out_of_range(tiny_model, subprocess_env, args, env, expect):
+    """Before: --port 99999 printed a traceback from a thread while llama-server listened elsewhere, -c -5
+    aborted in a GGML_ASSERT (exit 134). Now one line names the value and the fix, exit status 2, and no
+    server starts."""
+    r = subprocess.run([sys.executable, "-m", "moecache.server", "-m", str(tiny_model), *args],
+                       env={**subprocess_env, **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert expect in r.stderr and "Fix:" in r.stderr
+    assert "Traceback" not in r.stderr and "llama_model_load" not in r.stderr + r.stdout
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_bench_smoke_scenario_writes_md_and_json(tmp_path, tiny_model, llama_server_bin, subprocess_env):
     out = tmp_path / "results"
     logs = tmp_path / "logs"
