@@ -76,13 +76,13 @@ def test_a_bad_copy_is_refused_and_the_server_still_answers(qwen4exp):
         status, body = srv.post("/slots/0?action=copy", {"to": [1]})
         assert status == 400 and "holds no cached prompt" in body["error"]["message"], body
         complete(srv, PREFIX, n_predict=1, cache_prompt=True, id_slot=0, temperature=0)
-        for to, words in [([0], "itself"), ([1, 1], "twice"), ([7], 'Invalid slot ID 7 in "to": the server has slots 0 to'), ([], "names no slot")]:
+        for to, words in [([0], "itself"), ([1, 1], "twice"), ([7], "\"to\": slot id '7' is out of range: this server has 3 slot(s), 0 to 2"), ([], "names no slot")]:
             status, body = srv.post("/slots/0?action=copy", {"to": to})
             assert status == 400 and words in body["error"]["message"], (to, body)
         status, body = srv.post("/slots/0?action=copy", {"slots": [1]})
         assert status == 400 and "needs a body" in body["error"]["message"], body
         status, body = srv.post("/slots/9?action=copy", {"to": [1]})
-        assert status == 400 and "Invalid slot ID 9 to copy from" in body["error"]["message"], body
+        assert status == 400 and "slot id '9' is out of range: this server has 3 slot(s)" in body["error"]["message"], body
         # nothing was copied: slot 1 is empty and still serves
         out = complete(srv, PREFIX + TAILS[0], n_predict=4, cache_prompt=True, id_slot=1, temperature=0)
         assert out["timings"]["cache_n"] == 0 and len(out["tokens"]) == 4
