@@ -149,3 +149,23 @@ def test_bad_synthetic_acceptance_flags_name_the_value(tiny_model, llama_server_
         with ServerProcess(tiny_model, args=ARGS + [flag, value], timeout=60):
             pass
     assert flag in str(e.value) and "expected" in str(e.value)
+
+
+@pytest.mark.parametrize("args,env,expect", [
+    (["-c", "-5"], {}, "-c/--ctx-size must be >= 0"),
+    (["-ub", "0"], {}, "-ub/--ubatch-size must be >= 1"),
+    (["-b", "-1"], {}, "-b/--batch-size must be >= 1"),
+    (["--port", "99999"], {}, "--port must be 1 to 65535"),
+    ([], {"LLAMA_ARG_PORT": "70000"}, "--port must be 1 to 65535"),
+])
+def test_llama_server_refuses_basic_values_out_of_range(tiny_model, llama_server_bin, args, env, expect):
+    """llama-server itself, without the launcher: -c -5 reached a GGML_ASSERT (exit 134) and --port 99999
+    listened on another port than its log said; now the argument parser names the flag and exits."""
+    import os
+    import subprocess
+
+    r = subprocess.run([str(llama_server_bin), "-m", str(tiny_model), *args], env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode not in (0, -6, 134), r.returncode
+    assert expect in r.stderr + r.stdout, (r.stderr + r.stdout)[-2000:]
+    assert "GGML_ASSERT" not in r.stderr
