@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "build": ("moecache.orchestrator.__main__", "the patch-series orchestrator (fetch, apply, edit, export, verify, status)"),
     "server": ("moecache.server", "run moecache-server (same as the moecache-server command)"),
     "info": ("moecache.info", "show the build, the devices and the system info"),
+    "check": ("moecache.check", "read every tensor of a GGUF file and tell whether it is damaged"),
     "cache-sim": ("moecache.cache_sim", "replay a routing trace through the hot-expert cache's policies"),
     "plan": ("moecache.plan", "plan each GPU's memory for a model, a context and its users; print the server command"),
     "tune": ("moecache.tune", "choose the cache's policy, settings and slots from a routing trace of your traffic"),

@@ -19,6 +19,7 @@ be held in memory.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -148,6 +149,10 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q1_0: (128, 18),
     GGMLType.Q2_0: (64, 18),
 }
+
+
+# the sha256 of a file's tensor data (each tensor's bytes in table order, padding left out), where recorded
+CHECKSUM_KEY = "moecache.tensor_data.sha256"
 
 
 class GGUFError(ValueError):
@@ -574,7 +579,9 @@ class GGUFWriter:
     its shape and type.
     """
 
-    def __init__(self, path: str | os.PathLike, alignment: int = DEFAULT_ALIGNMENT):
+    def __init__(self, path: str | os.PathLike, alignment: int = DEFAULT_ALIGNMENT, checksum: bool = False):
+        """`checksum`: record the sha256 of the tensor data (each tensor's bytes in table order, padding
+        left out) under CHECKSUM_KEY, so `moecache check` can tell any damage to the weights."""
         if alignment <= 0 or alignment & (alignment - 1):
             raise GGUFError(f"alignment {alignment} is not a power of two")
         self.path = Path(path)
@@ -584,7 +591,11 @@ class GGUFWriter:
         self._f = None
         self._next_tensor = 0
         self._data_start = 0
+        self._hash = hashlib.sha256() if checksum else None
+        self._hash_at = 0  # where the digest's placeholder lies in the file
         self.add(ALIGNMENT_KEY, alignment, ValueType.UINT32)
+        if checksum:
+            self.add(CHECKSUM_KEY, "0" * 64, ValueType.STRING)  # written over by close()
 
     # -- metadata
     def add(self, key: str, value: Any, vtype: ValueType | None = None, array_type: ValueType | None = None) -> None:
@@ -625,7 +636,10 @@ class GGUFWriter:
         f = self._f
         f.write(GGUF_MAGIC + struct.pack("<Iqq", GGUF_VERSION, len(self.tensors), len(self.kv)))
         for kv in self.kv.values():
-            f.write(encode_kv(kv))
+            encoded = encode_kv(kv)
+            if kv.key == CHECKSUM_KEY and self._hash is not None:
+                self._hash_at = f.tell() + len(encoded) - 64  # the value's 64 hex digits end the pair
+            f.write(encoded)
         for t in self.tensors:
             f.write(_encode_string(t.name) + struct.pack("<I", len(t.shape)))
             f.write(struct.pack(f"<{len(t.shape)}q", *t.shape))
@@ -650,10 +664,10 @@ class GGUFWriter:
             chunks = [chunks]
         for c in chunks:
             if isinstance(c, np.ndarray):
-                c = np.ascontiguousarray(c)
-                f.write(memoryview(c).cast("B"))
-            else:
-                f.write(c)
+                c = memoryview(np.ascontiguousarray(c)).cast("B")
+            f.write(c)
+            if self._hash is not None:
+                self._hash.update(c)
         written = f.tell() - start
         if written != t.nbytes:
             raise GGUFError(f"tensor {name!r}: wrote {written} bytes, expected {t.nbytes} "
@@ -665,6 +679,9 @@ class GGUFWriter:
         if self._f is None:
             return
         missing = [t.name for t in self.tensors[self._next_tensor:]]
+        if self._hash is not None and not missing:
+            self._f.seek(self._hash_at)
+            self._f.write(self._hash.hexdigest().encode())
         self._f.close()
         self._f = None
         if missing:

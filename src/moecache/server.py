@@ -28,11 +28,11 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 
 from .gguf import check_model_file
-from .options import (_FALSE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAGS, CTX_ENV, CTX_FLAGS, EXPERT_PLACEMENT_ENV,
-                      EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS, MODEL_ENV, MODEL_FLAGS,
-                      PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV, PORT_FLAGS, REPACK_ENV, REPACK_FLAGS,
-                      UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings, find_flag_value, has_flag,
-                      planned_args, setting_value, user_decides)
+from .options import (_FALSE_WORDS, _TRUE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAGS, CTX_ENV, CTX_FLAGS,
+                      EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS,
+                      MODEL_ENV, MODEL_FLAGS, PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV, PORT_FLAGS,
+                      REPACK_ENV, REPACK_FLAGS, UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings,
+                      find_flag_value, has_flag, planned_args, setting_value, user_decides)
 
 
 from .process import (DEFAULT_HOST, ServerError, ServerProcess, die_with_parent_hook, free_port,  # noqa: F401
@@ -85,6 +85,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="apply the hot-expert cache settings `moecache tune TRACE --write-config FILE` chose "
                         "(its slots, policy and policy settings); your own flags and LLAMA_ARG_* variables win "
                         "(env: LLAMA_ARG_TUNE_CONFIG)")
+    p.add_argument("--verify-model", action="store_true", default=None,
+                   help="read every tensor of the model before starting (`moecache check`): a damaged file (its "
+                        "recorded checksum does not match, NaN/Inf values or block scales) stops the start with exit "
+                        "status 2 instead of serving nonsense; reads the whole file once (env: LLAMA_ARG_VERIFY_MODEL)")
     p.add_argument("--plan", choices=("auto", "off"), default=None,
                    help="auto: size the GPU layers, the experts' placement, the hot-expert cache's slots and the "
                         "prefill-phase swap's ubatch with `moecache plan` for your -c (total context, default "
@@ -405,6 +409,26 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
         problem = check_model_file(model)
         if problem:
             print(f"moecache-server: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+    verify = ours.verify_model
+    if verify is None:
+        verify = os.environ.get("LLAMA_ARG_VERIFY_MODEL", "").strip().lower() in _TRUE_WORDS
+    if verify:
+        path = model or setting_value(rest, os.environ, MODEL_FLAGS, MODEL_ENV, "")
+        if not path:
+            print(f"{prog}: --verify-model checks the model given by -m: give -m MODEL.gguf", file=sys.stderr)
+            return EXIT_USAGE
+        from .check import check_model
+        from .gguf import GGUFError
+
+        try:
+            report = check_model(path, progress=True)
+        except (GGUFError, OSError) as e:
+            print(f"{prog}: --verify-model: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        print(report.render(), file=sys.stderr, flush=True)
+        if not report.ok:
+            print(f"{prog}: --verify-model: the model is damaged; nothing was started.", file=sys.stderr)
             return EXIT_USAGE
 
     plan_mode = ours.plan or os.environ.get("LLAMA_ARG_PLAN", "").strip().lower() or "off"

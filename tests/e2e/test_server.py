@@ -282,3 +282,27 @@ def test_killing_the_launcher_takes_llama_server_with_it(tiny_model, llama_serve
         for pid in children:  # an orphan left by a failure above
             if _process_state(pid) not in (None, "Z"):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_verify_model_refuses_a_damaged_model(tmp_path, tiny_model, subprocess_env):
+    """--verify-model reads every tensor first: 4 KiB overwritten in the middle of the weights (which llama.cpp
+    loads and serves as nonsense) stops the start with exit status 2 and the report; an intact model passes the
+    check (and would start)."""
+    import random
+
+    from moecache import check, gguf
+
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(tiny_model.read_bytes())
+    with gguf.GGUFReader(damaged) as r:
+        t = max(r.tensors, key=lambda x: x.nbytes)
+        at = t.file_offset + t.nbytes // 2
+    with open(damaged, "r+b") as f:
+        f.seek(at)
+        f.write(random.Random(5).randbytes(4096))
+    r = subprocess.run([sys.executable, "-m", "moecache.server", "-m", str(damaged), "--verify-model"],
+                       env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "DOES NOT MATCH" in r.stderr and "nothing was started" in r.stderr
+    assert "llama_model_load" not in r.stderr + r.stdout
+    assert check.check_model(tiny_model).ok

@@ -286,7 +286,7 @@ def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, r
                          "reinstall moecache (its vocab files come from the pinned llama.cpp tree)")
     specs = plan_tensors(p, wt, context_mix)
     st = make_structure(p, seed)
-    w = gguf.GGUFWriter(out)
+    w = gguf.GGUFWriter(out, checksum=True)  # `moecache check` tells any damage to the weights
     for key, value, vtype in plan_kvs(p, file_type, seed, routing_strength, context_mix):
         w.add(key, value, vtype)
     for kv in tok:

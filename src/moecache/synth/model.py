@@ -13,7 +13,7 @@ from ..gguf import GGMLType, ValueType
 ARCH = "qwen3moe"
 # the generator's version: bumped whenever the same arguments give other bytes; it is in the file's
 # metadata and in the names of cached models (cached_model_name)
-SYNTH_VERSION = 2
+SYNTH_VERSION = 3  # 3: the tensor data's sha256 in the header (moecache check)
 DEFAULT_QUANT = "q8_0"
 
 
