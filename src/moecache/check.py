@@ -112,8 +112,8 @@ def _f16_bad(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return exp_all_ones, np.abs(values) > SCALE_LIMIT
 
 
-def _check_blocks(name: str, data: np.ndarray, gtype: GGMLType, block_base: int, report: CheckReport,
-                  counts: dict) -> None:
+def _check_blocks(data: np.ndarray, gtype: GGMLType, block_base: int, counts: dict) -> None:
+    """Count the blocks whose scales are NaN/Inf ("bad") or above SCALE_LIMIT ("big"), keeping the first."""
     _, size = gguf.BLOCK_SIZES[gtype]
     blocks = data.reshape(-1, size)
     for offset, kind in BLOCK_SCALES[gtype]:
@@ -165,7 +165,7 @@ def check_model(path, progress: bool = False) -> CheckReport:
                 if digest is not None:
                     digest.update(chunk)
                 if t.type in BLOCK_SCALES:
-                    _check_blocks(t.name, chunk, t.type, start // size, report, counts)
+                    _check_blocks(chunk, t.type, start // size, counts)
                 elif t.type in FLOAT_TYPES:
                     _check_floats(chunk, t.type, start // size, counts)
                 else:
