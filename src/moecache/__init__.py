@@ -6,6 +6,8 @@ A patched, pinned llama.cpp, its server (`moecache-server`) and a Python API:
     m = moecache.Model("model.gguf", n_gpu_layers=-1, n_cpu_moe=24)
     g = m.context(n_ctx=8192).generate("Hello", max_tokens=32)
 
+    model, ctx = moecache.load("model.gguf", n_ctx=8192)   # placed as moecache-server places it
+
 Importing this package never loads the native module; the first call that needs it does.
 """
 
@@ -28,6 +30,8 @@ from .api import (  # noqa: E402  (pure Python: the native module loads on first
     physical_cores,
     system_info,
 )
+from .plan import PlanError, load  # noqa: E402
+
 
 __all__ = [
     "Context",
@@ -43,5 +47,7 @@ __all__ = [
     "native_module",
     "physical_cores",
     "system_info",
+    "load",
+    "PlanError",
     "__version__",
 ]

@@ -300,6 +300,27 @@ class Plan:
                 "bandwidth": {"host_read": bw.host_read, "device": bw.device, "host_to_device": bw.host_to_device,
                               "source": bw.source}}
 
+    def summary(self) -> tuple[str, str]:
+        """What was planned and why, one line each (moecache-server's start)."""
+        if self.all_in_vram:
+            return ("every layer and expert on the GPUs (-ngl 99), no hot-expert cache",
+                    "the whole model fits the budget")
+        what = [f"routed experts in host memory ({size_text(self.host_model)})"]
+        if self.slots:
+            what.append(f"hot-expert cache of {self.slots} of {self.n_expert} experts per layer in VRAM")
+        else:
+            what.append("no hot-expert cache (no room for a slot)")
+        if self.prefill_ubatch:
+            what.append(f"prompts at -ub {self.prefill_ubatch} (prefill-phase swap)")
+        dense = sum(d.model for d in self.devices if d.counts_model)
+        total = dense + self.host_model
+        budget = sum(d.budget for d in self.devices)
+        where = ", ".join(f"{d.name} {size_text(d.budget)}" for d in self.devices)
+        why = (f"the model ({size_text(total)}) and the context do not fit the budget ({where}): the dense "
+               f"weights ({size_text(dense)}) and the KV cache go to the GPU, the cache holds the most-routed "
+               f"experts in the {size_text(max(0, budget - sum(d.fixed for d in self.devices)))} left")
+        return ", ".join(what), why
+
     def render(self) -> str:
         unit, scale = ("GiB", GiB) if max(d.budget for d in self.devices) >= 4 * GiB else ("MiB", MiB)
         g = lambda b: f"{b / scale:.2f}"  # noqa: E731
@@ -673,3 +694,83 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+#
+# the Python API's planned model and context
+#
+
+
+def _api_settings(args: Sequence[str]) -> tuple[dict, dict]:
+    """A plan's llama-server arguments as moecache.Model(...) and Model.context(...) keyword arguments."""
+    model_kw: dict = {}
+    ctx_kw: dict = {}
+    valued = {"-ngl": ("model", "n_gpu_layers"), "-c": ("ctx", "n_ctx"), "-ub": ("ctx", "n_ubatch"),
+              "-b": ("ctx", "n_batch"), "--moe-cache-slots": ("ctx", "moe_cache_slots"),
+              "--prefill-ubatch": ("ctx", "prefill_ubatch"), "-np": (None, None), "-lm": (None, None)}
+    switches = {"--cpu-moe": ("model", "cpu_moe", True), "--no-repack": ("model", "repack", False),
+                "--host-hugepages": ("model", "hugepages", True),
+                "--cpu-experts-flat": ("ctx", "cpu_experts_flat", True),
+                "--cpu-experts-x4": ("ctx", "cpu_experts_x4", True)}
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in valued:
+            where, name = valued[a]
+            value = args[i + 1]
+            if a == "-lm":
+                if value == "none":  # read into the GPU's pinned host memory
+                    model_kw["pinned"] = True
+            elif where is not None:
+                n = int(value)
+                if a == "-ngl" and n >= 99:
+                    n = -1
+                (model_kw if where == "model" else ctx_kw)[name] = n
+            i += 2
+        elif a in switches:
+            where, name, value = switches[a]
+            (model_kw if where == "model" else ctx_kw)[name] = value
+            i += 1
+        else:
+            raise PlanError(f"the plan's flag {a} has no Python setting (a moecache bug: please report it)")
+    return model_kw, ctx_kw
+
+
+def load(path, n_ctx: int = 8192, n_ubatch: int = 512, gpu_mem_gib: float | Sequence[float] | None = None,
+         plan: str = "auto", verbose: bool = False, **context_options):
+    """A model and a context of `n_ctx` tokens for one sequence, placed as `moecache-server` places them by
+    default: a MoE that does not fit the GPUs gets the plan (`moecache plan`: the routed experts in host memory,
+    the hot-expert cache's slots in the VRAM left, the prefill-phase swap's ubatch, the CPU's fast expert
+    switches); a model that fits gets every layer on the GPU; without a GPU, the model loads on the CPU with a
+    warning. `gpu_mem_gib`: each GPU's budget (default: what each has free). `context_options` are
+    Model.context's options (moe_cache_*, prefill_*, ...) and win over the plan's. plan="off": no plan
+    (Model's defaults). Returns (model, context); `context.plan` is the Plan, or None where none was made.
+    PlanError when a GPU is there but the context does not fit it (the message says what to change)."""
+    import warnings
+
+    from .api import Model
+
+    if plan not in ("auto", "off"):
+        raise ValueError(f"plan must be 'auto' or 'off' (got {plan!r})")
+    budgets = None
+    if gpu_mem_gib is not None:
+        budgets = [float(gpu_mem_gib)] if isinstance(gpu_mem_gib, (int, float)) else [float(g) for g in gpu_mem_gib]
+    made = None
+    model_kw: dict = {}
+    ctx_kw: dict = {"n_ctx": n_ctx, "n_ubatch": n_ubatch}
+    if plan == "auto":
+        try:
+            made = make_plan(Request(Path(os.fspath(path)), ctx=n_ctx, users=1, ubatch=n_ubatch, gpu_mem_gib=budgets))
+        except PlanError as e:
+            if not str(e).startswith("no GPU device"):
+                raise
+            warnings.warn("moecache.load: no GPU, so nothing to plan: the model loads on the CPU", RuntimeWarning,
+                          stacklevel=2)
+        if made is not None:
+            model_kw, planned_ctx = _api_settings(made.args())
+            ctx_kw.update(planned_ctx)
+    ctx_kw.update(context_options)
+    model = Model(path, verbose=verbose, **model_kw)
+    context = model.context(**ctx_kw)
+    context.plan = made
+    return model, context

@@ -90,9 +90,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "recorded checksum does not match, NaN/Inf values or block scales) stops the start with exit "
                         "status 2 instead of serving nonsense; reads the whole file once (env: LLAMA_ARG_VERIFY_MODEL)")
     p.add_argument("--plan", choices=("auto", "off"), default=None,
-                   help="auto: size the GPU layers, the experts' placement, the hot-expert cache's slots and the "
+                   help="plan the GPU layers, the experts' placement, the hot-expert cache's slots and the "
                         "prefill-phase swap's ubatch with `moecache plan` for your -c (total context, default "
-                        "8192 per user), -np and -ub before starting; your own flags and LLAMA_ARG_* variables win "
+                        "8192 per user), -np and -ub before starting; your own flags and LLAMA_ARG_* variables win. "
+                        "Default (no --plan): planned when the model is a MoE that does not fit the GPUs, else "
+                        "llama-server's own placement; auto: always planned, printed in full, and a plan that "
+                        "cannot be made stops the start; off: llama-server's own placement (its --fit) "
                         "(env: LLAMA_ARG_PLAN)")
     p.add_argument("--plan-gpu-mem", metavar="GIB[,GIB...]", default=None,
                    help="with --plan auto: the budget of each GPU in GiB (default: what each has free at start) "
@@ -252,6 +255,64 @@ def plan_request_from_args(model: str, rest: Sequence[str], environ: Mapping[str
         raise PlanError(f"--plan-gpu-mem: {e}") from None
     return Request(Path(model), ctx=max(1, ctx), users=users, ubatch=number(UBATCH_FLAGS, UBATCH_ENV, 512, "-ub"),
                    gpu_mem_gib=budgets, probe_args=list(rest))
+
+
+def moe_expert_count(model: str) -> int | None:
+    """The routed experts per layer a GGUF's metadata declares (0: a dense model), None if it cannot be read
+    (llama-server will say why)."""
+    from .gguf import GGUFError, GGUFReader
+
+    try:
+        with GGUFReader(model) as r:
+            arch = r.get("general.architecture")
+            count = r.get(f"{arch}.expert_count", 0) if arch else 0
+    except (GGUFError, OSError, ValueError):
+        return None
+    try:
+        return int(count or 0)
+    except (TypeError, ValueError):
+        return None
+
+
+def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[str, str], gpu_mem: str | None,
+                 explicit: bool) -> list[str] | None:
+    """The plan's flags to add before starting (what your flags and environment leave open), [] for none, None
+    when an asked-for plan (--plan auto) cannot be made. Without --plan (the default) a MoE model that does not
+    fit the GPUs is planned; a dense model, one that fits, a machine without a GPU or a plan that cannot be made
+    start with llama-server's own placement, said in one line."""
+    from .plan import PlanError, make_plan
+
+    def say(text: str) -> None:
+        print(f"{prog}: plan: {text}", file=sys.stderr, flush=True)
+
+    if not model:
+        if explicit:
+            print(f"{prog}: --plan auto plans for a model: give -m MODEL.gguf", file=sys.stderr)
+            return None
+        return []  # -hf, --help, ...: llama-server decides
+    if not explicit:
+        n_expert = moe_expert_count(model)
+        if not n_expert:
+            return []  # a dense model (or an unreadable file): llama-server's placement, nothing to say
+    try:
+        plan = make_plan(plan_request_from_args(model, rest, environ, gpu_mem), environ=environ)
+    except (PlanError, FileNotFoundError, ValueError) as e:
+        if explicit:
+            print(f"{prog}: --plan auto: {e}", file=sys.stderr)
+            return None
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        say(f"none, llama-server's own placement ({first}) [--plan off: no plan, no line]")
+        return []
+    if not explicit and plan.all_in_vram:
+        say("none: the whole model fits the GPUs, llama-server's own placement [--plan off: no plan, no line]")
+        return []
+    added = planned_args(plan.args(), rest, environ)
+    if explicit:
+        print(plan.render(), file=sys.stderr)
+    what, why = plan.summary()
+    say(f"{what}; added: {' '.join(added) or '(nothing: your flags and environment set it all)'}")
+    say(f"why: {why} [--plan off: llama-server's own placement; your flags win over the plan's]")
+    return added
 
 
 # --------------------------------------------------------------------------- running the server
@@ -431,29 +492,20 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
             print(f"{prog}: --verify-model: the model is damaged; nothing was started.", file=sys.stderr)
             return EXIT_USAGE
 
-    plan_mode = ours.plan or os.environ.get("LLAMA_ARG_PLAN", "").strip().lower() or "off"
-    if plan_mode not in ("auto", "off"):
-        print(f"{prog}: LLAMA_ARG_PLAN must be auto or off (got {plan_mode!r})", file=sys.stderr)
+    env_plan = os.environ.get("LLAMA_ARG_PLAN", "").strip().lower()
+    plan_mode = ours.plan or env_plan or "default"
+    if ours.plan is None and env_plan and env_plan not in ("auto", "off"):
+        print(f"{prog}: LLAMA_ARG_PLAN must be auto or off (got {os.environ['LLAMA_ARG_PLAN'].strip()!r})",
+              file=sys.stderr)
         return EXIT_USAGE
-    if plan_mode == "auto":
-        from .plan import PlanError, make_plan
-
+    if plan_mode == "auto" or (plan_mode == "default" and not ours.demo):
         model = model or setting_value(rest, os.environ, MODEL_FLAGS, MODEL_ENV, "")
-        if not model:
-            print(f"{prog}: --plan auto plans for a model: give -m MODEL.gguf", file=sys.stderr)
-            return EXIT_USAGE
         gpu_mem = ours.plan_gpu_mem or os.environ.get("LLAMA_ARG_PLAN_GPU_MEM", "").strip() or None
-        try:
-            plan = make_plan(plan_request_from_args(model, rest, os.environ, gpu_mem),
-                             environ={**os.environ, **(env or {})})
-        except (PlanError, FileNotFoundError, ValueError) as e:
-            print(f"{prog}: --plan auto: {e}", file=sys.stderr)
+        planned = startup_plan(prog, model, rest, {**os.environ, **(env or {})}, gpu_mem,
+                               explicit=plan_mode == "auto")
+        if planned is None:
             return EXIT_USAGE
-        added = planned_args(plan.args(), rest, os.environ)
-        rest = added + rest
-        print(plan.render(), file=sys.stderr)
-        print(f"{prog}: plan: {' '.join(added) or '(every setting already set by your flags or environment)'}",
-              file=sys.stderr, flush=True)
+        rest = planned + rest
 
     try:
         exe = _server_binary()

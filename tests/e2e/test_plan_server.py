@@ -109,33 +109,95 @@ def test_the_probe_fails_where_the_server_would(tiny_model, llama_server_bin, tm
     assert traced["host"]["compute"] > plain["host"]["compute"]
 
 
-def test_moecache_server_plan_auto(tiny_model, budget, subprocess_env, free_port):
-    port = free_port()
-    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
-    proc = subprocess.Popen([sys.executable, "-m", "moecache.server", "--plan", "auto", "-m", str(tiny_model),
-                             "-c", str(CTX * USERS), "-np", str(USERS), "-ub", str(UB), "-t", "2",
+def _launch(args, env, port, query="/moe-cache"):
+    """moecache-server with `args` until healthy: (status and JSON of `query`, its whole output)."""
+    from moecache.server import http_request
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "moecache.server", *args, "-t", "2",
                              "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        from moecache.server import http_request
-        import time
-
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            assert proc.poll() is None
+            assert proc.poll() is None, proc.communicate()[0]
             try:
                 if http_request(f"http://127.0.0.1:{port}/health", timeout=2)[0] == 200:
                     break
             except OSError:
                 time.sleep(0.2)
-        status, st = http_request(f"http://127.0.0.1:{port}/moe-cache")
-        assert status == 200 and st["n_slots"] == SLOTS, st
+        answer = http_request(f"http://127.0.0.1:{port}{query}")
     finally:
         proc.terminate()
         text = proc.communicate(timeout=30)[0]
-    # the user's -c, -np and -ub stay theirs; the plan adds the rest
-    assert (f"plan: -ngl 99 -b 2048 --cpu-moe --no-repack -lm none --host-hugepages --cpu-experts-flat --cpu-experts-x4 "
-            f"--moe-cache-slots {SLOTS} --prefill-ubatch 256") in text, text
+    return answer, text
+
+
+def _plan_lines(text):
+    return [line for line in text.splitlines() if line.startswith("moecache-server: plan:")]
+
+
+PLANNED = ("-ngl 99 -b 2048 --cpu-moe --no-repack -lm none --host-hugepages --cpu-experts-flat --cpu-experts-x4 "
+           f"--moe-cache-slots {SLOTS} --prefill-ubatch 256")
+
+
+def test_moecache_server_plan_auto(tiny_model, budget, subprocess_env, free_port):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    (status, st), text = _launch(["--plan", "auto", "-m", str(tiny_model), "-c", str(CTX * USERS),
+                                  "-np", str(USERS), "-ub", str(UB)], env, free_port())
+    assert status == 200 and st["n_slots"] == SLOTS, st
+    # the user's -c, -np and -ub stay theirs; the plan adds the rest, and --plan auto prints its table
+    assert f"added: {PLANNED}" in text and "command:" in text, text
+
+
+def test_a_moe_that_does_not_fit_is_planned_by_default(tiny_model, budget, subprocess_env, free_port):
+    """No --plan: the same plan, said in two lines (what and why), not the whole table."""
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    (status, st), text = _launch(["-m", str(tiny_model), "-c", str(CTX * USERS), "-np", str(USERS), "-ub", str(UB)],
+                                 env, free_port())
+    assert status == 200 and st["n_slots"] == SLOTS, st
+    lines = _plan_lines(text)
+    assert len(lines) == 2, text
+    assert f"added: {PLANNED}" in lines[0] and f"{SLOTS} of {N_EXPERT} experts per layer" in lines[0]
+    assert "why: the model" in lines[1] and "--plan off" in lines[1]
+    assert "command:" not in text
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_plan_off_is_llama_servers_placement(tiny_model, budget, subprocess_env, free_port, how):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}"}
+    args = ["-m", str(tiny_model), "-c", str(CTX * USERS), "-np", str(USERS), "-ub", str(UB)]
+    if how == "flag":
+        args = ["--plan", "off", *args]
+    else:
+        env["LLAMA_ARG_PLAN"] = "off"
+    (status, st), text = _launch(args, env, free_port())
+    assert not _plan_lines(text), text
+    assert status == 200 and not st.get("n_slots"), st  # no cache: llama-server's placement
+
+
+def test_your_flags_win_over_the_default_plan(tiny_model, budget, subprocess_env, free_port):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}", "LLAMA_ARG_UBATCH": str(UB)}
+    (status, st), text = _launch(["-m", str(tiny_model), "-c", str(CTX * USERS), "-np", str(USERS),
+                                  "--moe-cache-slots", "3", "--no-host-hugepages"], env, free_port())
+    assert status == 200 and st["n_slots"] == 3, st
+    added = _plan_lines(text)[0].split("added: ")[1]
+    assert "--moe-cache-slots" not in added and "--host-hugepages" not in added and "-ub" not in added.split()
+    assert "--cpu-moe" in added
+
+
+def test_a_default_plan_that_cannot_be_made_starts_as_llama_server(tiny_model, subprocess_env, free_port):
+    """--plan auto stops (below); without --plan the server starts with llama-server's placement and says why."""
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: "100"}
+    (status, _), text = _launch(["-m", str(tiny_model)], env, free_port(), query="/health")
+    lines = _plan_lines(text)
+    assert status == 200 and len(lines) == 1 and "plan: none, llama-server's own placement (" in lines[0], text
+
+
+def test_a_dense_model_is_not_planned(gemma_model, subprocess_env, free_port):
+    env = {**subprocess_env, **HOST, HOST_DEVICE_MIB_ENV: "100"}
+    (status, _), text = _launch(["-m", str(gemma_model), "-c", "512"], env, free_port(), query="/health")
+    assert status == 200 and not _plan_lines(text), text
 
 
 def test_plan_auto_that_cannot_fit_stops_before_starting(tiny_model, subprocess_env):
@@ -236,3 +298,33 @@ def test_a_probe_without_a_model_is_an_error(llama_server_bin):
     """Without -m llama-server would start its router and listen: --memory-probe refuses instead."""
     r = subprocess.run([str(llama_server_bin), "--memory-probe", "-"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "--memory-probe needs a model" in (r.stdout + r.stderr)
+
+
+def test_the_python_api_loads_what_the_server_plans(tiny_model, budget, monkeypatch):
+    """moecache.load: the plan's placement and cache as Model/Context settings; your options win; without a
+    GPU (no test device either) it loads on the CPU with a warning."""
+    import warnings
+
+    import moecache
+
+    monkeypatch.setenv(HOST_DEVICE_ENV, "1")
+    monkeypatch.setenv(HOST_DEVICE_MIB_ENV, f"{budget:.6f}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # pinned=True without a GPU: the test device is host memory
+        model, ctx = moecache.load(tiny_model, n_ctx=CTX * USERS, n_ubatch=UB, n_threads=2)
+    assert ctx.plan is not None and ctx.plan.slots > 0
+    assert model.placement["cpu_moe"] and not model.placement["repack"]
+    assert ctx.expert_cache.stats()["n_slots"] == ctx.plan.slots
+    assert ctx.prefill_swap.enabled == bool(ctx.plan.prefill_ubatch)
+    assert len(ctx.generate("Hello", max_tokens=8).tokens) == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _, mine = moecache.load(tiny_model, n_ctx=CTX * USERS, n_ubatch=UB, n_threads=2, moe_cache_slots=2)
+    assert mine.expert_cache.stats()["n_slots"] == 2
+    monkeypatch.delenv(HOST_DEVICE_ENV)
+    if not moecache.native_module().have_gpu():
+        with pytest.warns(RuntimeWarning, match="no GPU"):
+            _, plain = moecache.load(tiny_model, n_ctx=512, n_threads=2)
+        assert plain.plan is None and not plain.expert_cache.enabled
+    with pytest.raises(ValueError, match="plan must be"):
+        moecache.load(tiny_model, plan="yes")

@@ -303,3 +303,36 @@ def test_measure_text_errors_name_the_problem(tmp_path, capsys, extra, expect):
     with pytest.raises(SystemExit) as e:
         planmod.main(argv)
     assert e.value.code == 2 and expect in capsys.readouterr().err
+
+
+# --- moecache-server without --plan: planned when a MoE does not fit ---------------------------------------
+
+
+def test_the_default_plans_a_moe_only_where_it_does_not_fit(fake_probe, monkeypatch, capsys):
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: 128)
+    model = fake_probe(answer(whole_fits=True))
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "24", explicit=False) == []
+    err = capsys.readouterr().err
+    assert "plan: none: the whole model fits" in err and err.count("\n") == 1
+    model = fake_probe(answer())
+    added = server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False)
+    assert "--cpu-moe" in added and "--moe-cache-slots" in added
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "hot-expert cache of" in lines[0] and lines[1].startswith("moecache-server: plan: why:")
+    # --plan auto plans what fits too (every layer on the GPU) and prints the table
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=True)
+    fake_probe(answer(whole_fits=True))
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "24", explicit=True) == \
+        ["-ngl", "99", "-c", "8192", "-np", "1", "-ub", "512", "-b", "2048"]
+
+
+def test_the_default_leaves_dense_models_and_failed_plans_to_llama_server(fake_probe, monkeypatch, capsys):
+    model = fake_probe(answer())
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: 0)
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False) == []
+    assert capsys.readouterr().err == "" and not fake_probe.calls  # not even probed
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: 128)
+    model = fake_probe(answer(context=20 * GiB))
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False) == []
+    assert "plan: none, llama-server's own placement (" in capsys.readouterr().err
+    assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=True) is None
