@@ -12,6 +12,8 @@
 #include <cinttypes>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -56,7 +58,8 @@ static void check_params(const llama_moe_cache_params & p) {
 }
 
 // LLAMA_MOE_CACHE_FAIL=alloc,staging,reserve,upload,map[:N] (test-only): N = the Nth try fails, none = every one
-static void parse_fail_env(int64_t & alloc, int64_t & staging, int64_t & reserve, int64_t & upload, int64_t & map) {
+static void parse_fail_env(int64_t & alloc, int64_t & staging, int64_t & reserve, int64_t & upload, int64_t & map,
+        bool & profile) {
     const char * env = getenv("LLAMA_MOE_CACHE_FAIL");
     if (!env || !env[0]) {
         return;
@@ -79,8 +82,10 @@ static void parse_fail_env(int64_t & alloc, int64_t & staging, int64_t & reserve
             upload = n;
         } else if (name == "map") {
             map = n;
+        } else if (name == "profile") {
+            profile = true;
         } else if (!name.empty()) {
-            LLAMA_LOG_WARN("%s: LLAMA_MOE_CACHE_FAIL: unknown step '%s' (alloc, staging, reserve, upload, map[:N])\n", __func__, name.c_str());
+            LLAMA_LOG_WARN("%s: LLAMA_MOE_CACHE_FAIL: unknown step '%s' (alloc, staging, reserve, upload, map[:N], profile)\n", __func__, name.c_str());
         }
         start = end + 1;
     }
@@ -133,7 +138,16 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
     use_tables = !env_table || atoi(env_table) != 0;
-    parse_fail_env(fail_alloc_at, fail_staging_at, fail_reserve_at, fail_upload_at, fail_map_at);
+    parse_fail_env(fail_alloc_at, fail_staging_at, fail_reserve_at, fail_upload_at, fail_map_at, fail_profile);
+
+    if (params.profile && params.profile[0]) {
+        profile_path = params.profile;
+        char buf[256];
+        snprintf(buf, sizeof(buf), "%s %zu %d %" PRIu64 " %" PRIu64, llm_arch_name(model.arch), layers.size(), n_exp,
+            (uint64_t) model.n_elements(), (uint64_t) model.size());
+        fingerprint = buf;
+        profile_counts.assign(layers.size() * (size_t) std::max(n_exp, 0), 0);
+    }
 
     const bool wanted_any = params.n_slots > 0 || params.size_mib > 0;
     if (n_exp == 0) {
@@ -531,6 +545,9 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
     if (!worker.joinable()) {
         worker = std::thread([this] { worker_main(); });
     }
+    if (!profile_path.empty() && n_cached > 0) {
+        load_profile();
+    }
 }
 
 static const char * moe_miss_name(llama_moe_cache_miss m) {
@@ -874,7 +891,9 @@ bool llama_moe_cache::active_for(int64_t n_tokens, bool warmup) const {
 }
 
 bool llama_moe_cache::observing(int64_t n_tokens, bool warmup) const {
-    return !warmup && (trace != nullptr || collecting || active_for(n_tokens, warmup));
+    // warm_prompts: a prompt's routing is read back while a slot is still empty
+    return !warmup && (trace != nullptr || collecting || active_for(n_tokens, warmup) ||
+        (params.warm_prompts && n_cached > 0 && !is_suspended && has_empty_slot()));
 }
 
 bool llama_moe_cache::is_routed(int32_t il, const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
@@ -994,7 +1013,11 @@ void llama_moe_cache::count_token(const pending_ubatch & ub, size_t t) {
             first = false;
         }
         auto & l = layers[pl.il];
-        if (collecting && !ub.cache_active && l.reason.empty()) {
+        const bool warm_prompt = params.warm_prompts && !is_suspended && n_cached > 0;
+        if ((collecting || warm_prompt) && !ub.cache_active && l.reason.empty()) {
+            if (prompt_counts.empty()) {
+                prompt_counts.assign(layers.size()*(size_t) n_exp, 0);
+            }
             for (int32_t k = 0; k < pl.n_used; ++k) {
                 if (row[k] >= 0 && row[k] < n_exp) {
                     prompt_counts[(size_t) pl.il*n_exp + row[k]]++;
@@ -1027,6 +1050,13 @@ void llama_moe_cache::count_token(const pending_ubatch & ub, size_t t) {
         l.recent_pos = (l.recent_pos + 1) % l.recent_hits.size();
         l.recent_n++;
         l.policy->observe(row, pl.n_used);
+        if (!profile_counts.empty()) {
+            for (int32_t k = 0; k < pl.n_used; ++k) {
+                if (row[k] >= 0 && row[k] < n_exp) {
+                    profile_counts[(size_t) pl.il*n_exp + row[k]]++;
+                }
+            }
+        }
         if (after_resume_left > 0) {
             after_resume_hits   += hits;
             after_resume_misses += pl.n_used - hits;
@@ -1061,6 +1091,14 @@ void llama_moe_cache::commit(ggml_backend_sched_t sched, const llama_memory_i * 
     pending.clear();
     if (trace) {
         fflush(trace.get());
+    }
+    // warm_prompts: the prompt's most-routed experts into the empty slots before its tokens decode (a swap's
+    // prompt is counted for the swap's own warm restore instead)
+    if (params.warm_prompts && !collecting && !is_suspended && n_cached > 0 && !prompt_counts.empty()) {
+        n_prompt_warm_uploads += queue_warm([this](int32_t il, int32_t e) {
+            return (uint64_t) prompt_counts[(size_t) il*n_exp + e];
+        });
+        prompt_counts.clear();
     }
 }
 
@@ -1370,39 +1408,8 @@ bool llama_moe_cache::resume(const std::map<ggml_backend_dev_t, size_t> & contex
 
     // the experts the prompt routed most, per layer, into the empty slots; the worker copies them and
     // the next steps publish them, so decode starts warm without waiting for the copies
-    std::vector<upload_job> jobs;
-    std::vector<llama_moe_upload> plan;
-    std::vector<int32_t> order(n_exp);
-    for (auto & l : layers) {
-        if (!l.cached()) {
-            continue;
-        }
-        const uint32_t * cnt = prompt_counts.data() + (size_t) l.il*n_exp;
-        order.clear();
-        for (int32_t e = 0; e < n_exp; ++e) {
-            if (cnt[e] > 0) {
-                order.push_back(e);
-            }
-        }
-        std::stable_sort(order.begin(), order.end(), [cnt](int32_t a, int32_t b) { return cnt[a] > cnt[b]; });
-        order.insert(order.begin(), l.pins.begin(), l.pins.end()); // pinned experts take their slots first
-        plan.clear();
-        l.policy->warm(order, plan);
-        for (const auto & u : plan) {
-            jobs.push_back({l.il, u.slot, u.expert, false, {}, true});
-        }
-    }
+    queue_warm([this](int32_t il, int32_t e) { return (uint64_t) prompt_counts[(size_t) il*n_exp + e]; }, fail_upload);
     prompt_counts.clear();
-    if (!jobs.empty()) {
-        fail_next_upload = fail_upload; // only with a warm job to fail
-        std::lock_guard<std::mutex> lock(mutex);
-        for (auto & j : jobs) {
-            queue.push_back(j);
-        }
-        in_flight += (int32_t) jobs.size();
-        n_warm_uploads += jobs.size();
-    }
-    cv.notify_all();
     return true;
 }
 
@@ -1581,6 +1588,11 @@ std::string llama_moe_cache::stats_json() const {
         trace ? "true" : "false", moe_miss_name(params.miss), params.miss_auto_pct,
         (int32_t) std::min<int64_t>((int64_t) params.max_uploads*upload_boost, INT32_MAX));
     s += buf;
+    // warm starts: the uploads a prompt's routing and the profile queued into empty slots
+    snprintf(buf, sizeof(buf), "\"warm_prompts\":%s,\"warm_prompt_uploads\":%" PRIu64 ",\"profile\":%s,"
+        "\"profile_uploads\":%" PRIu64 ",", params.warm_prompts ? "true" : "false", n_prompt_warm_uploads,
+        profile_path.empty() ? "false" : "true", n_profile_uploads);
+    s += buf;
 
     llama_moe_cache_stats tot;
     get_stats(-1, tot);
@@ -1653,4 +1665,178 @@ void llama_moe_cache::print_stats() const {
         LLAMA_LOG_INFO("%s: hot-expert cache: misses %s, on the device in %d layers now (%" PRIu64 " moves)\n",
             __func__, moe_miss_name(params.miss), st.n_miss_device, st.route_switches);
     }
+}
+
+//
+// warm starts
+//
+
+bool llama_moe_cache::has_empty_slot() const {
+    for (const auto & l : layers) {
+        if (!l.cached()) {
+            continue;
+        }
+        for (int32_t s = 0; s < n_slots; ++s) {
+            if (l.policy->expert_in(s) < 0) {
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload) {
+    if (hold_empty) {
+        return 0;
+    }
+    std::vector<upload_job> jobs;
+    std::vector<llama_moe_upload> plan;
+    std::vector<int32_t> order;
+    std::vector<uint64_t> cnt(n_exp);
+    for (auto & l : layers) {
+        if (!l.cached()) {
+            continue;
+        }
+        order.clear();
+        for (int32_t e = 0; e < n_exp; ++e) {
+            cnt[e] = count(l.il, e);
+            if (cnt[e] > 0) {
+                order.push_back(e);
+            }
+        }
+        std::stable_sort(order.begin(), order.end(), [&cnt](int32_t a, int32_t b) { return cnt[a] > cnt[b]; });
+        order.insert(order.begin(), l.pins.begin(), l.pins.end()); // pinned experts take their slots first
+        plan.clear();
+        l.policy->warm(order, plan);
+        for (const auto & u : plan) {
+            jobs.push_back({l.il, u.slot, u.expert, false, {}, true});
+        }
+    }
+    if (!jobs.empty()) {
+        fail_next_upload = fail_upload; // only with a warm job to fail
+        std::lock_guard<std::mutex> lock(mutex);
+        for (auto & j : jobs) {
+            queue.push_back(j);
+        }
+        in_flight += (int32_t) jobs.size();
+        n_warm_uploads += jobs.size();
+    }
+    cv.notify_all();
+    return jobs.size();
+}
+
+// The profile is text: a header line, the model's fingerprint, one line of counts per cached layer, "end"
+// (a file cut short has no "end" and is ignored as a whole).
+static const char * PROFILE_MAGIC = "moecache-expert-profile 1";
+
+void llama_moe_cache::load_profile() {
+    profile_used = true;
+    std::ifstream f(profile_path);
+    if (!f) {
+        LLAMA_LOG_INFO("%s: expert profile %s: none yet (written at shutdown)\n", __func__, profile_path.c_str());
+        return;
+    }
+    auto ignore = [this](const std::string & why) {
+        LLAMA_LOG_WARN("%s: expert profile %s is ignored: %s; the cache starts cold and the file is rewritten "
+            "at shutdown\n", __func__, profile_path.c_str(), why.c_str());
+    };
+    std::string line;
+    if (!std::getline(f, line) || line != PROFILE_MAGIC) {
+        ignore("not an expert profile (its first line is not '" + std::string(PROFILE_MAGIC) + "')");
+        return;
+    }
+    if (!std::getline(f, line) || line != "model " + fingerprint) {
+        ignore("it belongs to another model ('" + line + "', this one is 'model " + fingerprint + "')");
+        return;
+    }
+    std::vector<uint64_t> counts(profile_counts.size(), 0);
+    bool ended = false;
+    while (std::getline(f, line)) {
+        if (line == "end") {
+            ended = true;
+            break;
+        }
+        std::istringstream in(line);
+        std::string word;
+        long long il = -1;
+        if (!(in >> word >> il) || word != "layer" || il < 0 || il >= (long long) layers.size()) {
+            ignore("a damaged line ('" + line.substr(0, 60) + "')");
+            return;
+        }
+        for (int32_t e = 0; e < n_exp; ++e) {
+            unsigned long long c = 0;
+            if (!(in >> c)) {
+                ignore("layer " + std::to_string(il) + " has fewer than " + std::to_string(n_exp) + " counts");
+                return;
+            }
+            counts[(size_t) il*n_exp + e] = c;
+        }
+        if (in >> word) {
+            ignore("layer " + std::to_string(il) + " has more than " + std::to_string(n_exp) + " counts");
+            return;
+        }
+    }
+    if (!ended) {
+        ignore("it is cut short (no 'end' line)");
+        return;
+    }
+    profile_counts = std::move(counts);
+    n_profile_uploads = queue_warm([this](int32_t il, int32_t e) { return profile_counts[(size_t) il*n_exp + e]; });
+    LLAMA_LOG_INFO("%s: expert profile %s: %" PRIu64 " experts queued into the empty slots\n", __func__,
+        profile_path.c_str(), n_profile_uploads);
+}
+
+void llama_moe_cache::save_profile() {
+    if (profile_path.empty() || !profile_used || profile_counts.empty()) {
+        return;
+    }
+    // the counts stay well inside 64 bits however long the server runs: halve them all past 2^40
+    uint64_t top = 0;
+    for (uint64_t c : profile_counts) {
+        top = std::max(top, c);
+    }
+    if (top > (1ull << 40)) {
+        for (uint64_t & c : profile_counts) {
+            c >>= 1;
+        }
+    }
+    const std::string tmp = profile_path + ".tmp";
+    bool ok = !fail_profile;
+    std::string why = fail_profile ? "injected: LLAMA_MOE_CACHE_FAIL=profile" : "";
+    if (ok) {
+        FILE * f = fopen(tmp.c_str(), "w");
+        if (!f) {
+            ok  = false;
+            why = strerror(errno);
+        } else {
+            fprintf(f, "%s\nmodel %s\n", PROFILE_MAGIC, fingerprint.c_str());
+            for (const auto & l : layers) {
+                if (l.reason == "no routed experts") {
+                    continue;
+                }
+                fprintf(f, "layer %d", l.il);
+                for (int32_t e = 0; e < n_exp; ++e) {
+                    fprintf(f, " %" PRIu64, profile_counts[(size_t) l.il*n_exp + e]);
+                }
+                fputc('\n', f);
+            }
+            fputs("end\n", f);
+            ok = fflush(f) == 0 && !ferror(f);
+            if (!ok) {
+                why = strerror(errno);
+            }
+            ok = (fclose(f) == 0) && ok;
+            if (ok && std::rename(tmp.c_str(), profile_path.c_str()) != 0) {
+                ok  = false;
+                why = strerror(errno);
+            }
+        }
+    }
+    if (!ok) {
+        std::remove(tmp.c_str());
+        LLAMA_LOG_WARN("%s: expert profile %s was not written (%s); the file there, if any, is unchanged\n",
+            __func__, profile_path.c_str(), why.c_str());
+        return;
+    }
+    LLAMA_LOG_INFO("%s: expert profile written to %s\n", __func__, profile_path.c_str());
 }

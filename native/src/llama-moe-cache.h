@@ -24,6 +24,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -160,6 +161,13 @@ struct llama_moe_cache {
     void print_stats() const;
     const char * layer_reason(int32_t il) const;
 
+    // --- expert profile across restarts (params.profile)
+
+    // writes every cached layer's routing counts (the profile read at start plus this run's) to the profile
+    // file, through a temporary file renamed over it, so a failure leaves the old file whole; the context
+    // calls it when it is freed
+    void save_profile();
+
     // --- prefill-phase swap (llama_context::prefill_swap_begin/end)
 
     // waits for the uploads in flight, unpublishes every slot and frees the banks; the layers stay
@@ -242,6 +250,12 @@ private:
         size_t               lo = SIZE_MAX, hi = 0;
     };
     std::vector<expert_tables> tables;
+    // queue uploads of each cached layer's most-counted experts (count(il, expert)) into its empty slots;
+    // the next steps publish them. Returns the uploads queued
+    size_t queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload = false);
+    bool   has_empty_slot() const; // a cached layer has a slot no expert is assigned to
+    void   load_profile();         // at the first allocation: the profile's counts warm the slots
+
     void make_readbacks();         // ids_out and the readbacks
     void take_readbacks();         // pending layers' ids out of the host copies (after a synchronize)
     void update_routes();          // AUTO: each layer's misses on the CPU or the device
@@ -252,6 +266,14 @@ private:
     int32_t  resume_slots = 0;       // the most slots the banks had: what a resume asks for
     bool     collecting   = false;   // count the routing of uncached batches (the prompt) per layer
     std::vector<uint32_t> prompt_counts; // [n_layer * n_expert]
+    // warm starts: from a prompt's routing (params.warm_prompts), from the profile (params.profile)
+    std::string           profile_path;
+    std::string           fingerprint;    // the model the profile belongs to (arch, layers, experts, parameters, bytes)
+    std::vector<uint64_t> profile_counts; // [n_layer * n_expert]: the profile read at start plus this run's routing
+    bool                  profile_used = false; // banks were made for real: only then is the profile written
+    uint64_t n_profile_uploads = 0;
+    uint64_t n_prompt_warm_uploads = 0;
+    bool    fail_profile = false; // test-only (LLAMA_MOE_CACHE_FAIL=profile): writing the profile fails
     uint64_t n_warm_uploads = 0;
     uint64_t n_warm_dropped = 0;     // queued warm uploads that a following suspension dropped before they ran
     uint64_t n_warm_failed  = 0;

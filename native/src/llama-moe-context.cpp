@@ -354,6 +354,8 @@ struct llama_moe_cache_params llama_moe_cache_default_params(void) {
     p.routing_trace      = nullptr;
     p.miss               = LLAMA_MOE_CACHE_MISS_CPU;
     p.miss_auto_pct      = 25;
+    p.warm_prompts       = false;
+    p.profile            = nullptr;
     return p;
 }
 

@@ -390,7 +390,10 @@ class Context:
     `moe_cache_miss` says where the misses run: "cpu" (a round trip to the CPU per cached layer),
     "gpu" (the layer's GPU reads the missed experts in host memory in place, pinned at start-up) or
     "auto" (per layer, on the GPU while its recent misses are at most `moe_cache_miss_auto_pct` % of
-    its routed experts). An option
+    its routed experts). `moe_cache_warm_prompts` fills empty slots with the experts a prompt routed most
+    before its tokens decode; `moe_cache_profile` names an expert profile kept across restarts: read when
+    the context is made (its hottest experts fill the slots; a damaged or foreign file is ignored with a
+    warning) and written when the context is freed, this run's routing added. An option
     left as None takes its environment variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_CACHE_SLOTS,
     LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
     (0, 0, "freq", 40, 8, 2, 16, 2, 512, "cpu", 25).
@@ -433,7 +436,8 @@ class Context:
                  moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
                  moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None,
                  moe_cache_headroom_mib: int | None = None, moe_cache_miss: str | None = None,
-                 moe_cache_miss_auto_pct: int | None = None,
+                 moe_cache_miss_auto_pct: int | None = None, moe_cache_warm_prompts: bool | None = None,
+                 moe_cache_profile: str | os.PathLike | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
                  qsa_sparse: bool | None = None, kq_mask_device: bool | None = None,
@@ -463,6 +467,8 @@ class Context:
             "moe_cache_headroom_mib": moe_cache_headroom_mib,
             "moe_cache_miss": moe_cache_miss,
             "moe_cache_miss_auto_pct": moe_cache_miss_auto_pct,
+            "moe_cache_warm_prompts": moe_cache_warm_prompts,
+            "moe_cache_profile": os.fspath(moe_cache_profile) if moe_cache_profile is not None else None,
         })
         prefill_swap = _prefill_swap_options({
             "prefill_ubatch": prefill_ubatch,

@@ -118,6 +118,13 @@ MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
     "moe_cache_miss_auto_pct": FeatureOption(
         "--moe-cache-miss-auto-pct", "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT", (), 25, 0, 100,
         "miss 'auto': a layer's misses run on the GPU while they are at most this % of its routed experts"),
+    "moe_cache_warm_prompts": FeatureOption(
+        "--moe-cache-warm-prompts", "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS", (), False, None, None,
+        "fill empty slots with the experts a prompt routed most, so the first tokens decode warm", boolean=True),
+    "moe_cache_profile": FeatureOption(
+        "--moe-cache-profile", "LLAMA_ARG_MOE_CACHE_PROFILE", (), "", None, None,
+        "expert profile kept across restarts: read at start (its hottest experts fill the slots), written at "
+        "shutdown with this run's routing added; a damaged or foreign file is ignored with a warning", kind="path"),
 }
 
 # the prefill-phase swap's options (the public write-up's LLAMA_PHASE_PREFILL_* names are aliases)
@@ -290,6 +297,13 @@ def _feature_options(table: dict[str, FeatureOption], feature: str, kwargs=None,
                 out[name] = word in _TRUE_WORDS
             else:
                 out[name] = default
+        elif option.kind == "path":
+            if value is not None:
+                if not isinstance(value, str):
+                    raise ValueError(f"{name} must be a path (got {value!r})")
+                out[name] = value
+            else:
+                out[name] = found[1].strip() if found else default
         elif found:
             text = found[1].strip()
             number = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None  # as C's strtol: no "1_000"
@@ -441,6 +455,9 @@ PLAN_SETTINGS = {
     "--no-repack": (REPACK_FLAGS, REPACK_ENV),
     "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
     "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),
+    "--moe-cache-warm-prompts": (("--moe-cache-warm-prompts", "--no-moe-cache-warm-prompts"),
+                                 MOE_CACHE_OPTIONS["moe_cache_warm_prompts"].env_names),
+    "--moe-cache-profile": ((MOE_CACHE_OPTIONS["moe_cache_profile"].flag,), MOE_CACHE_OPTIONS["moe_cache_profile"].env_names),
     "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
     # the CPU's expert switches: ggml's own variables count as the user's setting too (a 0 there stays off)
     "--host-hugepages": (("--host-hugepages", "--no-host-hugepages"),

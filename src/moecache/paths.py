@@ -84,3 +84,23 @@ def data_file(name: str) -> Path:
 def vocab_file(tokenizer: str) -> Path:
     """The upstream vocab GGUF of a tokenizer family ('qwen2', 'llama-bpe', ...)."""
     return data_file(f"ggml-vocab-{tokenizer}.gguf")
+
+
+def cache_dir() -> Path:
+    """moecache's cache: downloads, the pristine tree, synthetic models, expert profiles (MOECACHE_CACHE_DIR
+    overrides; else XDG_CACHE_HOME or ~/.cache, then moecache)."""
+    env = os.environ.get("MOECACHE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moecache"
+
+
+def profile_path(model: str | os.PathLike) -> Path:
+    """Where moecache-server keeps a model's expert profile by default: one per model file (its name and size)."""
+    m = Path(model)
+    try:
+        size = m.stat().st_size
+    except OSError:
+        size = 0
+    return cache_dir() / "profiles" / f"{m.stem}-{size}.profile"

@@ -90,7 +90,8 @@ def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | Non
         # with the same results (huge pages, the flat split, the four-row dots); the user's own setting of each stays
         args += CPU_EXPERT_FLAGS
     if slots:
-        args += ["--moe-cache-slots", str(slots)]
+        # a prompt's most-routed experts fill the empty slots before its tokens decode: the first request warm
+        args += ["--moe-cache-slots", str(slots), "--moe-cache-warm-prompts"]
     if prefill_ubatch:
         args += ["--prefill-ubatch", str(prefill_ubatch)]
     return args + list(req.extra_args)
@@ -708,8 +709,10 @@ def _api_settings(args: Sequence[str]) -> tuple[dict, dict]:
     valued = {"-ngl": ("model", "n_gpu_layers"), "-c": ("ctx", "n_ctx"), "-ub": ("ctx", "n_ubatch"),
               "-b": ("ctx", "n_batch"), "--moe-cache-slots": ("ctx", "moe_cache_slots"),
               "--prefill-ubatch": ("ctx", "prefill_ubatch"), "-np": (None, None), "-lm": (None, None)}
+    # (the profile is the server's: a context of the Python API keeps none unless asked, moe_cache_profile=)
     switches = {"--cpu-moe": ("model", "cpu_moe", True), "--no-repack": ("model", "repack", False),
                 "--host-hugepages": ("model", "hugepages", True),
+                "--moe-cache-warm-prompts": ("ctx", "moe_cache_warm_prompts", True),
                 "--cpu-experts-flat": ("ctx", "cpu_experts_flat", True),
                 "--cpu-experts-x4": ("ctx", "cpu_experts_x4", True)}
     i = 0

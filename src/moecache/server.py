@@ -306,7 +306,18 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
     if not explicit and plan.all_in_vram:
         say("none: the whole model fits the GPUs, llama-server's own placement [--plan off: no plan, no line]")
         return []
-    added = planned_args(plan.args(), rest, environ)
+    args = plan.args()
+    if plan.slots:
+        # the server keeps the cache's expert profile across restarts: it starts warm at once
+        from .paths import profile_path
+
+        where = profile_path(model)
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            args += ["--moe-cache-profile", str(where)]
+        except OSError as e:
+            say(f"no expert profile ({where.parent}: {e.strerror}): the cache starts cold at each start")
+    added = planned_args(args, rest, environ)
     if explicit:
         print(plan.render(), file=sys.stderr)
     what, why = plan.summary()

@@ -19,6 +19,8 @@ DEFAULTS = {
     "moe_cache_headroom_mib": 512,
     "moe_cache_miss": "cpu",
     "moe_cache_miss_auto_pct": 25,
+    "moe_cache_warm_prompts": False,
+    "moe_cache_profile": "",
 }
 
 # llama.cpp's LLAMA_ARG_<FLAG> names, as llama-server takes them
@@ -34,6 +36,8 @@ ENV = {
     "moe_cache_headroom_mib": "LLAMA_ARG_MOE_CACHE_HEADROOM",
     "moe_cache_miss": "LLAMA_ARG_MOE_CACHE_MISS",
     "moe_cache_miss_auto_pct": "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT",
+    "moe_cache_warm_prompts": "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS",
+    "moe_cache_profile": "LLAMA_ARG_MOE_CACHE_PROFILE",
 }
 # the older names, still read when the new one is unset
 ALIASES = {
@@ -53,6 +57,8 @@ FLAGS = {
     "moe_cache_headroom_mib": "--moe-cache-headroom",
     "moe_cache_miss": "--moe-cache-miss",
     "moe_cache_miss_auto_pct": "--moe-cache-miss-auto-pct",
+    "moe_cache_warm_prompts": "--moe-cache-warm-prompts",
+    "moe_cache_profile": "--moe-cache-profile",
 }
 
 
@@ -94,6 +100,8 @@ def test_environment_gives_the_defaults():
         "LLAMA_ARG_MOE_CACHE_HEADROOM": "1024",
         "LLAMA_ARG_MOE_CACHE_MISS": "auto",
         "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT": "40",
+        "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS": "on",
+        "LLAMA_ARG_MOE_CACHE_PROFILE": " experts.profile ",
     }
     assert api._moe_cache_options({}, env) == {
         "moe_cache_slots": 16,
@@ -107,6 +115,8 @@ def test_environment_gives_the_defaults():
         "moe_cache_headroom_mib": 1024,
         "moe_cache_miss": "auto",
         "moe_cache_miss_auto_pct": 40,
+        "moe_cache_warm_prompts": True,
+        "moe_cache_profile": "experts.profile",
     }
 
 

@@ -458,6 +458,7 @@ struct context_handle {
     llama_context * ctx = nullptr;
     llama_context_params params;
     llama_batch batch;
+    std::string moe_cache_profile; // params.moe_cache.profile points here
     std::mutex mutex; // one call at a time: a context is not thread safe
 
     ~context_handle() {
@@ -529,7 +530,7 @@ static llama_moe_cache_miss parse_moe_cache_miss(const std::string & name) {
 static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
                                                     int rebalance_interval, int max_batch, int admit_misses,
                                                     int admit_window, int max_uploads, int headroom_mib,
-                                                    const std::string & miss, int miss_auto_pct) {
+                                                    const std::string & miss, int miss_auto_pct, bool warm_prompts) {
     llama_moe_cache_params p = llama_moe_cache_default_params();
     p.n_slots = slots;
     p.size_mib = size_mib;
@@ -543,6 +544,8 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.routing_trace = nullptr; // record_routing starts and stops a trace
     p.miss = parse_moe_cache_miss(miss);
     p.miss_auto_pct = miss_auto_pct;
+    p.warm_prompts = warm_prompts;
+    p.profile = nullptr; // set by make_context, to a string the context keeps
     return p;
 }
 
@@ -575,6 +578,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int moe_cache_admit_misses, int moe_cache_admit_window,
                                                     int moe_cache_max_uploads, int moe_cache_headroom_mib,
                                                     const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
+                                                    bool moe_cache_warm_prompts, const std::string & moe_cache_profile,
                                                     int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore,
                                                     bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
@@ -613,7 +617,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
                                              moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib,
-                                             moe_cache_miss, moe_cache_miss_auto_pct);
+                                             moe_cache_miss, moe_cache_miss_auto_pct, moe_cache_warm_prompts);
     params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore);
     params.qsa_sparse = qsa_sparse;
     params.kq_mask_device = kq_mask_device;
@@ -624,6 +628,8 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
+    c->moe_cache_profile = moe_cache_profile;
+    params.moe_cache.profile = c->moe_cache_profile.empty() ? nullptr : c->moe_cache_profile.c_str();
     c->params = params;
     {
         py::gil_scoped_release release;
@@ -1370,6 +1376,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
              py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
              py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
+             py::arg("moe_cache_warm_prompts") = false, py::arg("moe_cache_profile") = "",
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
              py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false,

@@ -54,11 +54,9 @@ FINGERPRINT_PATHS = ("CMakeLists.txt", "include", "src", "ggml", "common", "tool
 
 def cache_dir() -> Path:
     """Where downloads and the pristine tree are kept (MOECACHE_CACHE_DIR overrides)."""
-    env = os.environ.get("MOECACHE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moecache"
+    from ..paths import cache_dir as moecache_cache_dir
+
+    return moecache_cache_dir()
 
 
 def sha256_file(path: Path) -> str:
