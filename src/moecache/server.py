@@ -275,15 +275,18 @@ def moe_expert_count(model: str) -> int | None:
 
 
 def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[str, str], gpu_mem: str | None,
-                 explicit: bool) -> list[str] | None:
+                 explicit: bool, profile: Path | None = None, lines: list[str] | None = None) -> list[str] | None:
     """The plan's flags to add before starting (what your flags and environment leave open), [] for none, None
     when an asked-for plan (--plan auto) cannot be made. Without --plan (the default) a MoE model that does not
     fit the GPUs is planned; a dense model, one that fits, a machine without a GPU or a plan that cannot be made
-    start with llama-server's own placement, said in one line."""
+    start with llama-server's own placement, said in one line. `profile`: where the cache's expert profile is
+    kept (default: one per model file in moecache's cache); `lines`: the lines said are appended there too."""
     from .plan import PlanError, make_plan
 
     def say(text: str) -> None:
         print(f"{prog}: plan: {text}", file=sys.stderr, flush=True)
+        if lines is not None:
+            lines.append(f"plan: {text}")
 
     if not model:
         if explicit:
@@ -311,7 +314,7 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
         # the server keeps the cache's expert profile across restarts: it starts warm at once
         from .paths import profile_path
 
-        where = profile_path(model)
+        where = Path(profile) if profile is not None else profile_path(model)
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
             args += ["--moe-cache-profile", str(where)]

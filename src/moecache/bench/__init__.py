@@ -152,4 +152,11 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if args.dry_run:
         return 0
+    from .report import comparison_lines
+
+    table = comparison_lines(run)
+    if table:
+        # the ratios users ask for, on the terminal too (the result file has them with the rest)
+        print(f"against the baseline arm '{run['baseline']}' (prefill, TTFT: speed-ups; decode t/s (ratio)):")
+        print("\n".join(table))
     return 0 if run.get("ok") else 1

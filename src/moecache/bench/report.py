@@ -466,6 +466,53 @@ def _decoder_lines(run: dict) -> list[str]:
     return lines + [""]
 
 
+def _over(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def comparison_lines(run: dict) -> list[str]:
+    """The comparison users make, one row per arm and case against the baseline's row of the same case:
+    prefill and TTFT as speed-ups, the decode of the first request (the server's first where warmup = 0) and
+    of the later ones (warm), and the first request after a restart where the arm had one. [] when the run
+    has no other arm than its baseline."""
+    base = run.get("baseline")
+    rows = {(r["arm"], r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)): r
+            for r in run.get("results", [])}
+    others = [a for a in run.get("arms", []) if a["name"] != base]
+    if not others:
+        return []
+    restarts = {a["name"]: a["restart"] for a in run.get("arms", []) if a.get("restart")}
+    med = lambda r, k: ((r or {}).get(k) or {}).get("median")  # noqa: E731
+    lines = ["| case | arm | prefill | TTFT | first request decode t/s | warm decode t/s | after a restart t/s "
+             "| hits |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    r0 = run["results"][0] if run["results"] else {}
+    first_case = (r0.get("prompt"), r0.get("length"), r0.get("depth", 0), 1)  # the case a restart asks
+    for (arm, prompt, length, depth, users), r in rows.items():
+        if arm == base:
+            continue
+        b = rows.get((base, prompt, length, depth, users))
+        case = f"{prompt} {_length_short(r)}" + (f" @{depth}" if depth else "") + (f", {users} users" if users > 1 else "")
+        if r.get("error") or b is None or b.get("error"):
+            lines.append(f"| {_md_cell(case)} | {_md_cell(arm)} | - | - | - | - | - | - |")
+            continue
+        ratios = r.get("ratios") or {}
+        first, bfirst = med(r, "first_decode_tps"), med(b, "first_decode_tps")
+        warm, bwarm = med(r, "warm_decode_tps"), med(b, "warm_decode_tps")
+        restart = "-"
+        rs = restarts.get(arm)
+        if rs and (prompt, length, depth, users) == first_case:
+            brs = restarts.get(base) or {}
+            restart = ("failed" if rs.get("error") else
+                       f"{_fmt_num(rs.get('decode_tps'))} ({_over(rs.get('decode_tps'), brs.get('decode_tps') or bwarm)})")
+        lines.append(
+            f"| {_md_cell(case)} | {_md_cell(arm)} | {_fmt_ratio(ratios.get('prefill_tps'))} "
+            f"| {_fmt_ratio(ratios.get('ttft_ms'))} | {_fmt_num(first)} ({_over(first, bfirst)}) "
+            f"| {_fmt_num(warm)} ({_over(warm, bwarm)}) | {restart} "
+            f"| {_fmt_rate((r.get('moe_cache') or {}).get('hit_rate'))} |")
+    return lines
+
+
 def render_markdown(run: dict) -> str:
     sc = run["scenario"]
     levels = sc.get("users") or sorted({r.get("users", 1) for r in run["results"]})
@@ -524,6 +571,11 @@ def render_markdown(run: dict) -> str:
             cache = f" {_fmt_rate(c.get('hit_rate'))} | {_fmt_mib(c.get('bytes_vram'))} |"
         lines.append(f"| {_md_cell(name)} | `{_md_cell(args)}` | {_md_cell(env)} |{cache} {_md_cell(note)} |")
     lines += _ballast_lines(run)
+    for a in run["arms"]:
+        if a.get("launcher") == "moecache-server":
+            said = a.get("plan_lines") or ["plan: none (llama-server's own placement)"]
+            lines += ["", f"Arm `{a['name']}` started as moecache-server, which said:", "",
+                      *(f"    {line}" for line in said)]
     lines += _plan_lines(run)
     if cached:
         lines += [
@@ -573,6 +625,22 @@ def render_markdown(run: dict) -> str:
         "(> 1 is faster): arm / baseline for rates, baseline / arm for TTFT.",
         "",
     ]
+    comparison = comparison_lines(run) if any(a.get("launcher") == "moecache-server" or a.get("restart")
+                                              for a in run["arms"]) else []
+    if comparison:
+        lines += [
+            f"### Against `{run['baseline']}`",
+            "",
+            "Prefill and TTFT as speed-ups over the baseline's row of the same case; decode as the arm's rate "
+            "and, in brackets, its ratio to the baseline's: of the case's first timed request (with warmup 0 "
+            "the server's first request, for the first case), of the later ones (warm), and of the first request "
+            "after the server was stopped and started again (its expert profile read at start; against the "
+            "baseline's own restart where it had one, else its warm rate). `hits`: the expert cache's hit rate "
+            "over the row's requests.",
+            "",
+            *comparison,
+            "",
+        ]
     if concurrent:
         lines += [
             "With `users` N > 1 every repetition sent N identical requests at the same moment to the same "

@@ -9,8 +9,10 @@ import importlib.metadata
 import json
 import os
 import shlex
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -825,6 +827,40 @@ def plan_arm(srv: ServerProcess, rec: dict, env: dict[str, str], measure: dict |
     rec["server_args"] = list(srv.args)
 
 
+def launch_as_moecache_server(srv: ServerProcess, rec: dict, env: dict[str, str], profile: Path) -> None:
+    """What `moecache-server` adds to the arm's flags at start (its default plan: a MoE that does not fit the
+    GPUs is planned, else nothing), from the memory free now; the cache's expert profile at `profile`, so that
+    the run's first start is a first start (no profile of an earlier run) and a restart reads this run's."""
+    from ..server import startup_plan
+
+    lines: list[str] = []
+    added = startup_plan("moecache-server", str(srv.model), list(srv.args), {**os.environ, **env}, None,
+                         explicit=False, profile=profile, lines=lines)
+    srv.args = [*(added or []), *srv.args]
+    rec["plan_lines"] = lines
+    rec["plan_added"] = list(added or [])
+    rec["server_args"] = list(srv.args)
+
+
+def measure_restart(srv: ServerProcess, tokens: list[int], max_tokens: int, ignore_eos: bool, depth: int,
+                    ttft: bool) -> dict:
+    """Stop the server, start it again with the same flags and ask the first case once: what a user gets from
+    the first request after a restart (the expert profile written at shutdown is read at start)."""
+    srv.stop()
+    t0 = time.monotonic()
+    srv.start()
+    out = {"start_s": round(time.monotonic() - t0, 2)}
+    s = measure_repetition(srv, tokens, max_tokens, ignore_eos, 1, depth)
+    out.update({k: s.get(k) for k in ("prefill_tps", "decode_tps", "prompt_n", "predicted_n")})
+    if ttft:
+        out["ttft_ms"] = measure_ttft(srv, tokens, ignore_eos, depth=depth)
+    body = fetch_moe_cache_body(srv)
+    cache = moe_cache_summary(body)
+    if cache:
+        out["moe_cache"] = cache
+    return out
+
+
 def arm_server_args(sc: Scenario, arm: Arm) -> list[str]:
     return [*sc.server_args, *arm.args]
 
@@ -842,6 +878,12 @@ def finish_row(row: dict) -> None:
     row["predicted_n"] = first.get("predicted_n")  # of one request
     for m in ("prefill_tps", "decode_tps"):
         row[m] = summarize(per_request(samples, m))
+    # the first timed repetition's decode (the server's first request where warmup = 0 and this is the first
+    # case) and the later ones': what a user gets at once and once the server is warm
+    if samples:
+        row["first_decode_tps"] = summarize(per_request(samples[:1], "decode_tps"))
+    if len(samples) > 1:
+        row["warm_decode_tps"] = summarize(per_request(samples[1:], "decode_tps"))
     for m in ("ttft_ms", "aggregate_tps", "wall_s", "decoder_gap_ms", "decoder_tps"):
         row[m] = summarize(s.get(m) for s in samples)
     spec = summarize_speculation(samples)
@@ -912,6 +954,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                for a in sc.arms]
     for arm in sc.arms:
         run["arms"].append({"name": arm.name, "baseline": arm.baseline, "description": arm.description,
+                            "launcher": arm.launcher,
                             "ttft": arm.measures_ttft(sc), "args": arm.args, "server_args": arm_server_args(sc, arm),
                             "env": arm_env(sc, arm), "command": [], "error": None})
 
@@ -928,7 +971,12 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in a["env"].items())
             cmd = " ".join(shlex.quote(x) for x in [exe, "-m", str(model_path), "--host", "127.0.0.1",
                                                      "--port", "FREE_PORT", *a["server_args"]])
-            planned = " (+ the flags `moecache plan` adds at start)" if any(x.plan for x in sc.arms if x.name == a["name"]) else ""
+            arm = next(x for x in sc.arms if x.name == a["name"])
+            planned = (" (+ the flags `moecache plan` adds at start)" if arm.plan else
+                       " (+ what moecache-server adds at start: its default plan)" if arm.launcher == "moecache-server"
+                       else "")
+            if arm.restart:
+                planned += "; then stopped, started again and the first case asked once"
             say(f"  arm {a['name']}{' (baseline)' if a['baseline'] else ''}: {env + ' ' if env else ''}{cmd}{planned}")
         if sc.vram_budget_gib:
             say(f"  VRAM budget {sc.vram_budget_gib:g} GiB: before each arm's server starts, "
@@ -950,6 +998,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
 
     prompts = PromptTokens()
     any_failed = False
+    profile_dir: Path | None = None  # moecache-server arms' expert profiles: this run's own, removed at its end
     paths = None  # this run's result files, chosen at its first write
 
     def fail_cases(arm_name: str, error: str) -> None:
@@ -980,6 +1029,20 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                 say("  " + ballast_note(rec["ballast"]))
                 if rec["ballast"].get("warning"):
                     say(f"  WARNING: {rec['ballast']['warning']}")
+            if arm.launcher == "moecache-server":
+                # after the ballast: moecache-server plans from the memory its server will find free
+                if profile_dir is None:
+                    profile_dir = Path(tempfile.mkdtemp(prefix="moecache-bench-profiles-"))
+                try:
+                    launch_as_moecache_server(srv, rec, arm_env(sc, arm), profile_dir / f"{arm.name}.profile")
+                except Exception as e:  # noqa: BLE001 - moecache-server would have started; this arm cannot
+                    any_failed = True
+                    rec["error"] = f"moecache-server's plan: {str(e).splitlines()[0]}"
+                    say(f"  FAILED to plan as moecache-server: {e}")
+                    fail_cases(arm.name, rec["error"])
+                    continue
+                for line in rec["plan_lines"] or ["plan: none (a dense model: llama-server's own placement)"]:
+                    say(f"  moecache-server {line}")
             if arm.plan:
                 # after the ballast: the plan reads the memory the arm's server will find free
                 try:
@@ -1103,8 +1166,29 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
                                            f"{length_label(n)}"
                             break
                         continue
+                body_before_restart = None
+                if arm.restart and cases and not rec.get("error"):
+                    ps, n, depth = cases[0]
+                    if not depth:
+                        # the counters before the restart end with the server: read them now
+                        body_before_restart = fetch_moe_cache_body(srv)
+                        try:
+                            rec["restart"] = measure_restart(srv, prompts.get(srv, ps, n), sc.max_tokens,
+                                                             sc.ignore_eos, 0, arm.measures_ttft(sc))
+                            r = rec["restart"]
+                            say(f"  restarted in {r['start_s']:.1f} s: {ps.name} {length_label(n)}, prefill "
+                                f"{_fmt(r.get('prefill_tps'))} t/s, decode {_fmt(r.get('decode_tps'))} t/s")
+                        except (BenchError, ServerError, OSError, http.client.HTTPException) as e:
+                            any_failed = True
+                            rec["restart"] = {"error": str(e).splitlines()[0]}
+                            say(f"  FAILED after a restart: {e}")
+                    else:
+                        rec["restart"] = {"error": "restart measures the first case, which must have no depth"}
                 # the expert cache's counters over all of the arm's requests (warm-ups included)
-                body = fetch_moe_cache_body(srv) if srv.proc is not None and srv.proc.poll() is None else None
+                if body_before_restart is not None:  # the first server's, not the restarted one's
+                    body = body_before_restart
+                else:
+                    body = fetch_moe_cache_body(srv) if srv.proc is not None and srv.proc.poll() is None else None
                 cache = moe_cache_summary(body)
                 swap = prefill_swap_summary(body)
                 if swap:
@@ -1142,6 +1226,8 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             run["partial"] = f"{ai + 1} of {len(sc.arms)} arms"
             paths = write_results(run, out_dir, paths)  # this run's own files, kept from the first write
 
+    if profile_dir is not None:
+        shutil.rmtree(profile_dir, ignore_errors=True)
     run.pop("partial", None)
     add_ratios(run["results"], sc.baseline.name)
     run["finished"] = _dt.datetime.now().isoformat(timespec="seconds")

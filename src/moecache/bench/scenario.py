@@ -127,12 +127,15 @@ TOP_KEYS = {
     "vram_budget_gib": "GiB of GPU memory each arm's server may use: a ballast process holds the rest of every "
                        "visible GPU while the arm runs (emulates a smaller GPU; --vram-budget overrides)",
     "arms": "[[arms]] with name, args, env, baseline, description, plan, plan_measure, ttft (the arm's own, "
-            "over the scenario's)",
+            "over the scenario's), launcher, restart",
 }
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
-ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan", "plan_measure", "ttft"}
+ARM_KEYS = {"name", "args", "env", "baseline", "description", "plan", "plan_measure", "ttft", "launcher", "restart"}
+# "llama-server": the arm's flags as given; "moecache-server": what `moecache-server` adds to them at start
+# (its default plan, the expert profile in the run's own folder)
+LAUNCHERS = ("llama-server", "moecache-server")
 DEPTH_FILLS = ("prefill", "copy")  # every slot prefills a depth / slot 0 does and the others copy its cache
 
 
@@ -185,6 +188,8 @@ class Arm:
     plan: bool = False  # `moecache plan` completes the arm's flags where they leave a setting open (--plan auto)
     plan_measure: bool = False  # with plan: `moecache plan --measure` first, its rates beside the arm's
     ttft: bool | None = None  # the TTFT request after each timed one: None takes the scenario's setting
+    launcher: str = "llama-server"  # one of LAUNCHERS
+    restart: bool = False  # after its cases, the server is stopped, started again and the first case asked once
 
     def measures_ttft(self, sc: "Scenario") -> bool:
         return sc.ttft if self.ttft is None else self.ttft
@@ -433,9 +438,17 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
                         plan=_typed(path, f"{ctx}.plan", a.get("plan", False), bool, "true or false"),
                         plan_measure=_typed(path, f"{ctx}.plan_measure", a.get("plan_measure", False), bool,
                                             "true or false"),
-                        ttft=_typed(path, f"{ctx}.ttft", a["ttft"], bool, "true or false") if "ttft" in a else None))
+                        ttft=_typed(path, f"{ctx}.ttft", a["ttft"], bool, "true or false") if "ttft" in a else None,
+                        launcher=_typed(path, f"{ctx}.launcher", a.get("launcher", "llama-server"), str, "a string"),
+                        restart=_typed(path, f"{ctx}.restart", a.get("restart", False), bool, "true or false")))
         if arms[-1].plan_measure and not arms[-1].plan:
             raise ScenarioError(_where(path, f"{ctx}.plan_measure needs plan = true"))
+        if arms[-1].launcher not in LAUNCHERS:
+            raise ScenarioError(_where(path, f"{ctx}.launcher must be one of {', '.join(map(repr, LAUNCHERS))}, got "
+                                             f"{arms[-1].launcher!r}"))
+        if arms[-1].launcher == "moecache-server" and arms[-1].plan:
+            raise ScenarioError(_where(path, f"{ctx}: launcher = \"moecache-server\" plans as moecache-server does "
+                                             f"by default; plan = true is `--plan auto`. Fix: keep one of them."))
     arm_names = [a.name for a in arms]
     if len(set(arm_names)) != len(arm_names):
         raise ScenarioError(_where(path, f"arm names must be unique, got {arm_names}"))
