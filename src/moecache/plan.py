@@ -75,7 +75,8 @@ class Request:
 
 
 def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | None = None,
-                slots: int | None = None, prefill_ubatch: int | None = None) -> list[str]:
+                slots: int | None = None, prefill_ubatch: int | None = None,
+                miss: Sequence[str] = ()) -> list[str]:
     """The llama-server arguments of a plan (without -m): every layer on the GPU, the routed experts in
     host memory (unrepacked, as the cache needs), one KV stream of --ctx tokens per user."""
     ub = ubatch or req.ubatch
@@ -91,7 +92,7 @@ def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | Non
         args += CPU_EXPERT_FLAGS
     if slots:
         # a prompt's most-routed experts fill the empty slots before its tokens decode: the first request warm
-        args += ["--moe-cache-slots", str(slots), "--moe-cache-warm-prompts"]
+        args += ["--moe-cache-slots", str(slots), "--moe-cache-warm-prompts", *miss]
     if prefill_ubatch:
         args += ["--prefill-ubatch", str(prefill_ubatch)]
     return args + list(req.extra_args)
@@ -192,6 +193,24 @@ def measure_bandwidth_apart(device: str) -> Bandwidth:
     return Bandwidth(**json.loads(r.stdout.strip().splitlines()[-1]))
 
 
+def add_bandwidth(plan: "Plan", spec: str | None = "auto") -> None:
+    """Give a plan with a cache the bandwidths its miss placement is chosen from: measured on this machine
+    (spec "auto" or None, a few seconds, only where none were given), given (host=GB/s,device=GB/s,h2d=GB/s), or
+    none ("none": the misses stay on the CPU). A measurement that fails leaves them on the CPU, in a note."""
+    spec = (spec or "auto").strip()
+    if spec == "none" or not plan.slots:
+        return
+    if spec != "auto":
+        plan.request.bandwidth = parse_bandwidth(spec)
+        return
+    if plan.request.bandwidth is not None or plan.host_test_device:
+        return  # given; or the host test device, which has no link to measure (its misses stay on the CPU)
+    try:
+        plan.request.bandwidth = measure_bandwidth_apart("CPU" if plan.host_test_device else plan.devices[0].name)
+    except PlanError as e:
+        plan.notes.append(f"the bandwidths could not be measured, so the misses stay on the CPU: {e}")
+
+
 def parse_bandwidth(text: str) -> Bandwidth:
     """host=GB/s,device=GB/s,h2d=GB/s"""
     values = {}
@@ -205,6 +224,64 @@ def parse_bandwidth(text: str) -> Bandwidth:
     if missing:
         raise ValueError(f"--bandwidth needs host, device and h2d (missing: {', '.join(sorted(missing))})")
     return Bandwidth(values["host"], values["device"], values["h2d"])
+
+
+# What a cached layer costs per decode step beyond its bytes when its misses run on the CPU: the graph splits
+# there and the GPU waits for the CPU's part, even when nothing misses. Measured on the H200 machine's 30B
+# shape with every expert cached: 8.3 ms per step with the split against 5.7 ms without, over 48 layers
+# (benchmarks/results/2026-12-01-decode-limit-h200-analysis.md).
+CPU_MISS_ROUND_TRIP_S = 54e-6
+# What a decode step's misses get of the measured peaks: the CPU's threads computing missed experts read
+# about 35 GB/s where a plain parallel read gets 96, the GPU reading mapped host memory about 35 where a
+# pinned copy gets 55 (the same analysis: "both ~35 GB/s").
+CPU_EXPERT_READ_SHARE = 0.37
+LINK_EXPERT_READ_SHARE = 0.64
+MISS_GPU_MIN_PCT = 2  # a crossover below this: the misses stay on the CPU
+
+
+@dataclass
+class MissPlacement:
+    """Where the cache's misses run, from the cost of a decode step: on the CPU, a cached layer costs the
+    round trip of its split plus its missed experts read from host memory by the CPU's threads; on the GPU,
+    the missed experts read over the link (mapped host memory). With a share f of a layer's routed experts
+    missing, the GPU is faster while f < crossover = round trip / (its routed bytes x (1/link - 1/host)):
+    `gpu` when that holds for any f, `cpu` when it holds for almost none, else `auto` with the crossover as
+    --moe-cache-miss-auto-pct (the library moves each layer by its own recent misses)."""
+    mode: str                   # "cpu", "gpu" or "auto"
+    auto_pct: int | None        # auto's threshold
+    crossover: float | None     # the share of misses below which the GPU is faster (None: at any share)
+    why: str
+
+    def args(self) -> list[str]:
+        if self.mode == "auto":
+            return ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", str(self.auto_pct)]
+        return ["--moe-cache-miss", self.mode] if self.mode != "cpu" else []
+
+
+def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float,
+                   round_trip_s: float = CPU_MISS_ROUND_TRIP_S) -> MissPlacement:
+    """The cost model's choice for one token's routed experts of a layer (`layer_routed_bytes`: n_expert_used
+    experts' bytes) on a machine with bandwidths `bw` (None: not measured, the misses stay on the CPU)."""
+    if bw is None or not bw.usable():
+        return MissPlacement("cpu", None, None, "misses on the CPU (no link bandwidth measured to weigh the GPU's "
+                                                "path against)")
+    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.host_read * CPU_EXPERT_READ_SHARE
+    extra = layer_routed_bytes * (1.0 / link - 1.0 / cpu)  # s per layer, all of its routed experts missed
+    if extra <= 0 or round_trip_s / extra >= 1.0:
+        return MissPlacement("gpu", None, None if extra <= 0 else round_trip_s / extra,
+                             f"misses on the GPU: over the link ({bw.host_to_device / 1e9:.1f} GB/s) a layer's "
+                             f"missed experts cost less than the CPU's round trip ({round_trip_s * 1e6:.0f} us) and "
+                             f"read ({bw.host_read / 1e9:.1f} GB/s), at any hit rate")
+    crossover = round_trip_s / extra
+    pct = int(round(100 * crossover))
+    if pct < MISS_GPU_MIN_PCT:
+        return MissPlacement("cpu", None, crossover,
+                             f"misses on the CPU: it reads host memory at {bw.host_read / 1e9:.1f} GB/s against the "
+                             f"link's {bw.host_to_device / 1e9:.1f} GB/s")
+    return MissPlacement("auto", pct, crossover,
+                         f"a layer's misses on the GPU while at most {pct}% of its routed experts miss, else on the "
+                         f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, CPU read {bw.host_read / 1e9:.1f} GB/s, "
+                         f"round trip {round_trip_s * 1e6:.0f} us)")
 
 
 @dataclass
@@ -226,7 +303,10 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
     expert_token = plan.n_expert_used * sum(d.slot for d in plan.devices)  # one expert of every cached layer
     dense = sum(d.model for d in plan.devices if d.counts_model)
     h, source = plan.hit_rate()
-    t_decode = dense / bw.device + h * expert_token / bw.device + (1 - h) * expert_token / bw.host_read
+    miss = plan.miss()
+    gpu = miss.mode == "gpu" or (miss.mode == "auto" and miss.crossover is not None and 1 - h <= miss.crossover)
+    t_decode = (dense / bw.device + h * expert_token / bw.device
+                + (1 - h) * expert_token / (bw.host_to_device if gpu else bw.host_read))
     t_ubatch = plan.host_model / bw.host_to_device
     return Rates(h, source, 1.0 / t_decode, plan.request.ubatch / t_ubatch,
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
@@ -266,10 +346,21 @@ class Plan:
     def rates(self) -> Rates | None:
         return rate_bounds(self, self.request.bandwidth) if self.request.bandwidth else None
 
+    def miss(self) -> MissPlacement:
+        """Where the cache's misses run (the cost model of MissPlacement, from the request's bandwidths)."""
+        if self.all_in_vram or not self.slots:
+            return MissPlacement("cpu", None, None, "no cache")
+        cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
+        if not cached:
+            return MissPlacement("cpu", None, None, "no cached layer")
+        layer_expert = max(d.slot / d.n_moe_layers for d in cached)
+        return miss_placement(self.request.bandwidth, self.n_expert_used * layer_expert)
+
     def args(self) -> list[str]:
         if self.all_in_vram:
             return server_args(self.request, experts_on_host=False)
-        return server_args(self.request, slots=self.slots or None, prefill_ubatch=self.prefill_ubatch)
+        return server_args(self.request, slots=self.slots or None, prefill_ubatch=self.prefill_ubatch,
+                           miss=self.miss().args() if self.slots else ())
 
     def command(self) -> str:
         return shlex.join(["moecache-server", "-m", str(self.request.model), *self.args()])
@@ -287,6 +378,7 @@ class Plan:
                 "counts_model": d.counts_model, "n_moe_layers": d.n_moe_layers,
                 "left": d.budget - d.fixed - d.slot * self.slots,
             } for d in self.devices],
+            "miss": {k: v for k, v in vars(self.miss()).items()} if self.slots else None,
             "args": self.args(), "command": self.command(), "notes": self.notes,
             "rates": self._rates_json(), "measured": self.measured,
         }
@@ -311,6 +403,10 @@ class Plan:
             what.append(f"hot-expert cache of {self.slots} of {self.n_expert} experts per layer in VRAM")
         else:
             what.append("no hot-expert cache (no room for a slot)")
+        if self.slots:
+            miss = self.miss()
+            what.append({"cpu": "misses on the CPU", "gpu": "misses on the GPU"}.get(
+                miss.mode, f"misses on the GPU up to {miss.auto_pct}% per layer"))
         if self.prefill_ubatch:
             what.append(f"prompts at -ub {self.prefill_ubatch} (prefill-phase swap)")
         dense = sum(d.model for d in self.devices if d.counts_model)
@@ -320,6 +416,8 @@ class Plan:
         why = (f"the model ({size_text(total)}) and the context do not fit the budget ({where}): the dense "
                f"weights ({size_text(dense)}) and the KV cache go to the GPU, the cache holds the most-routed "
                f"experts in the {size_text(max(0, budget - sum(d.fixed for d in self.devices)))} left")
+        if self.slots:
+            why += f"; {self.miss().why}"
         return ", ".join(what), why
 
     def render(self) -> str:
@@ -344,6 +442,8 @@ class Plan:
             lines.append(f"{'prefill (-ub ' + str(self.prefill_ubatch) + ')':<26}" +
                          "".join(f"{g(d.prefill_compute or 0):>16}" for d in self.devices) +
                          "   compute while a prompt runs, in place of the banks and the decode buffers")
+        if self.slots:
+            lines.append(f"misses: {self.miss().why}")
         lines.append("")
         if self.all_in_vram:
             lines.append("The whole model fits: every expert in VRAM, no hot-expert cache needed.")
@@ -708,7 +808,8 @@ def _api_settings(args: Sequence[str]) -> tuple[dict, dict]:
     ctx_kw: dict = {}
     valued = {"-ngl": ("model", "n_gpu_layers"), "-c": ("ctx", "n_ctx"), "-ub": ("ctx", "n_ubatch"),
               "-b": ("ctx", "n_batch"), "--moe-cache-slots": ("ctx", "moe_cache_slots"),
-              "--prefill-ubatch": ("ctx", "prefill_ubatch"), "-np": (None, None), "-lm": (None, None)}
+              "--prefill-ubatch": ("ctx", "prefill_ubatch"), "-np": (None, None), "-lm": (None, None),
+              "--moe-cache-miss": ("ctx", "moe_cache_miss"), "--moe-cache-miss-auto-pct": ("ctx", "moe_cache_miss_auto_pct")}
     # (the profile is the server's: a context of the Python API keeps none unless asked, moe_cache_profile=)
     switches = {"--cpu-moe": ("model", "cpu_moe", True), "--no-repack": ("model", "repack", False),
                 "--host-hugepages": ("model", "hugepages", True),
@@ -724,6 +825,8 @@ def _api_settings(args: Sequence[str]) -> tuple[dict, dict]:
             if a == "-lm":
                 if value == "none":  # read into the GPU's pinned host memory
                     model_kw["pinned"] = True
+            elif a == "--moe-cache-miss":
+                ctx_kw[name] = value
             elif where is not None:
                 n = int(value)
                 if a == "-ngl" and n >= 99:
@@ -770,6 +873,7 @@ def load(path, n_ctx: int = 8192, n_ubatch: int = 512, gpu_mem_gib: float | Sequ
             warnings.warn("moecache.load: no GPU, so nothing to plan: the model loads on the CPU", RuntimeWarning,
                           stacklevel=2)
         if made is not None:
+            add_bandwidth(made, os.environ.get("LLAMA_ARG_PLAN_BANDWIDTH"))
             model_kw, planned_ctx = _api_settings(made.args())
             ctx_kw.update(planned_ctx)
     ctx_kw.update(context_options)

@@ -100,6 +100,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--plan-gpu-mem", metavar="GIB[,GIB...]", default=None,
                    help="with --plan auto: the budget of each GPU in GiB (default: what each has free at start) "
                         "(env: LLAMA_ARG_PLAN_GPU_MEM)")
+    p.add_argument("--plan-bandwidth", metavar="auto|none|host=GB/s,device=GB/s,h2d=GB/s", default=None,
+                   help="the bandwidths the plan chooses where the cache's misses run from (the CPU reading host "
+                        "memory against the GPU reading it over the link): auto (default) measures them at start "
+                        "when the plan has a cache (a few seconds), none leaves the misses on the CPU "
+                        "(env: LLAMA_ARG_PLAN_BANDWIDTH)")
     return p
 
 
@@ -275,18 +280,20 @@ def moe_expert_count(model: str) -> int | None:
 
 
 def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[str, str], gpu_mem: str | None,
-                 explicit: bool, profile: Path | None = None, lines: list[str] | None = None) -> list[str] | None:
+                 explicit: bool, profile: Path | None = None, lines: list[str] | None = None,
+                 bandwidth: str | None = None) -> list[str] | None:
     """The plan's flags to add before starting (what your flags and environment leave open), [] for none, None
     when an asked-for plan (--plan auto) cannot be made. Without --plan (the default) a MoE model that does not
     fit the GPUs is planned; a dense model, one that fits, a machine without a GPU or a plan that cannot be made
     start with llama-server's own placement, said in one line. `profile`: where the cache's expert profile is
     kept (default: one per model file in moecache's cache); `lines`: the lines said are appended there too."""
-    from .plan import PlanError, make_plan
+    from .plan import PlanError, add_bandwidth, make_plan
 
     def say(text: str) -> None:
-        print(f"{prog}: plan: {text}", file=sys.stderr, flush=True)
-        if lines is not None:
+        if lines is not None:  # the caller says them
             lines.append(f"plan: {text}")
+        else:
+            print(f"{prog}: plan: {text}", file=sys.stderr, flush=True)
 
     if not model:
         if explicit:
@@ -299,6 +306,8 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
             return []  # a dense model (or an unreadable file): llama-server's placement, nothing to say
     try:
         plan = make_plan(plan_request_from_args(model, rest, environ, gpu_mem), environ=environ)
+        if not plan.all_in_vram:
+            add_bandwidth(plan, bandwidth if bandwidth is not None else environ.get("LLAMA_ARG_PLAN_BANDWIDTH"))
     except (PlanError, FileNotFoundError, ValueError) as e:
         if explicit:
             print(f"{prog}: --plan auto: {e}", file=sys.stderr)
@@ -513,10 +522,20 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     if plan_mode == "auto" or (plan_mode == "default" and not ours.demo):
+        bandwidth = ours.plan_bandwidth or os.environ.get("LLAMA_ARG_PLAN_BANDWIDTH", "").strip() or None
+        if bandwidth not in (None, "auto", "none"):
+            from .plan import parse_bandwidth
+
+            try:
+                parse_bandwidth(bandwidth)
+            except ValueError as e:
+                print(f"{prog}: --plan-bandwidth: {e} (or auto, none)", file=sys.stderr)
+                return EXIT_USAGE
+        ours.plan_bandwidth = bandwidth
         model = model or setting_value(rest, os.environ, MODEL_FLAGS, MODEL_ENV, "")
         gpu_mem = ours.plan_gpu_mem or os.environ.get("LLAMA_ARG_PLAN_GPU_MEM", "").strip() or None
         planned = startup_plan(prog, model, rest, {**os.environ, **(env or {})}, gpu_mem,
-                               explicit=plan_mode == "auto")
+                               explicit=plan_mode == "auto", bandwidth=ours.plan_bandwidth)
         if planned is None:
             return EXIT_USAGE
         rest = planned + rest

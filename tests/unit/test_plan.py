@@ -191,11 +191,18 @@ def test_the_rate_bounds_follow_the_bandwidths(fake_probe):
     # 8 used experts x 100 MiB (one of each of the 48 cached layers) per token; 87 of 128 slots held
     h = 87 / 128
     expert = 8 * 100 * MiB
-    want = 1 / (4 * GiB / 4000e9 + h * expert / 4000e9 + (1 - h) * expert / 50e9)
+    # the misses (32%) below the cost model's crossover: on the GPU, read over the link
+    assert p.miss().mode == "auto" and 1 - h < p.miss().crossover
+    want = 1 / (4 * GiB / 4000e9 + h * expert / 4000e9 + (1 - h) * expert / 25e9)
     assert r.hit_rate == pytest.approx(h) and r.decode == pytest.approx(want)
+    assert "decode  <=" in p.render() and p.to_json()["rates"]["decode_bound"] == pytest.approx(want)
+    assert "--moe-cache-miss auto" in p.command() and "misses: a layer's misses on the GPU" in p.render()
+    # with the misses on the CPU, read from host memory
+    p.request.bandwidth = planmod.parse_bandwidth("host=50,device=4000,h2d=2")
+    assert p.miss().mode == "cpu"
+    assert p.rates().decode == pytest.approx(1 / (4 * GiB / 4000e9 + h * expert / 4000e9 + (1 - h) * expert / 50e9))
     assert r.prefill == pytest.approx(512 / (16 * GiB / 25e9))
     assert r.prefill_swap == pytest.approx(p.prefill_ubatch / (16 * GiB / 25e9))
-    assert "decode  <=" in p.render() and p.to_json()["rates"]["decode_bound"] == pytest.approx(want)
     # no bandwidths: no rates
     assert make_plan(Request(model, gpu_mem_gib=[16.0])).rates() is None
 
@@ -336,3 +343,65 @@ def test_the_default_leaves_dense_models_and_failed_plans_to_llama_server(fake_p
     assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False) == []
     assert "plan: none, llama-server's own placement (" in capsys.readouterr().err
     assert server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=True) is None
+
+
+# --- where the cache's misses run: the cost model ------------------------------------------------------------
+
+EXPERT_BYTES = 2.654e6  # one expert of the 30B shape at Q4_0 (3 x 768 x 2048 weights)
+
+
+@pytest.mark.parametrize("bw,mode,pct", [
+    (None, "cpu", None),                                       # nothing measured: the CPU, as before
+    ("host=40,device=3000,h2d=55", "gpu", None),               # the link reads faster than the CPU
+    ("host=96,device=3000,h2d=55", "gpu", None),               # the H200 machine: both ~35 GB/s in decode
+    ("host=200,device=3000,h2d=50", "auto", 14),               # 12 channels of DDR5: GPU up to 14% misses
+    ("host=70,device=1000,h2d=25", "auto", 11),                # a desktop on PCIe 4
+    ("host=70,device=1000,h2d=2", "cpu", None),                # a slow link: the CPU at any hit rate
+])
+def test_the_miss_placement_follows_the_bandwidths(bw, mode, pct):
+    m = planmod.miss_placement(planmod.parse_bandwidth(bw) if bw else None, 8 * EXPERT_BYTES)
+    assert (m.mode, m.auto_pct) == (mode, pct), m
+    expected = {"cpu": [], "gpu": ["--moe-cache-miss", "gpu"],
+                "auto": ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", str(pct)]}[mode]
+    assert m.args() == expected
+    if mode == "auto":
+        # at the crossover both placements cost the same: the round trip equals the slower read's extra time
+        b = planmod.parse_bandwidth(bw)
+        gpu = m.crossover * 8 * EXPERT_BYTES / (b.host_to_device * planmod.LINK_EXPERT_READ_SHARE)
+        cpu = (planmod.CPU_MISS_ROUND_TRIP_S
+               + m.crossover * 8 * EXPERT_BYTES / (b.host_read * planmod.CPU_EXPERT_READ_SHARE))
+        assert gpu == pytest.approx(cpu)
+
+
+def test_the_default_plan_places_the_misses_and_your_flags_win(fake_probe, monkeypatch, capsys):
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: 128)
+    measured = []
+    bw = planmod.Bandwidth(40e9, 3000e9, 55e9, "test")
+    monkeypatch.setattr(planmod, "measure_bandwidth_apart", lambda device: measured.append(device) or bw)
+    model = fake_probe(answer())
+    added = server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False)
+    assert measured and added[added.index("--moe-cache-miss") + 1] == "gpu", added
+    what = capsys.readouterr().err.splitlines()
+    assert "misses on the GPU" in what[0] and "at any hit rate" in what[1]
+    # none: not measured, the misses stay on the CPU (the library's default: no flag)
+    measured.clear()
+    added = server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False,
+                                bandwidth="none")
+    assert not measured and "--moe-cache-miss" not in added and "--moe-cache-slots" in added
+    # given: the same choice without measuring
+    added = server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False,
+                                bandwidth="host=200,device=3000,h2d=50")
+    assert not measured and "--moe-cache-miss" in added and "--moe-cache-miss-auto-pct" in added
+    # your flag wins over the plan's (and its threshold goes with it: auto's percentage is auto's)
+    added = server.startup_plan("moecache-server", str(model), ["-m", str(model), "--moe-cache-miss", "cpu"], {},
+                                "16", explicit=False, bandwidth="host=200,device=3000,h2d=50")
+    assert "--moe-cache-miss" not in added, added
+    capsys.readouterr()
+
+
+def test_a_bad_plan_bandwidth_is_refused(tmp_path, capsys, monkeypatch):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    monkeypatch.setenv("LLAMA_ARG_PLAN_BANDWIDTH", "host=fast")
+    assert server.main(["-m", str(model)]) == 2
+    assert "--plan-bandwidth" in capsys.readouterr().err
