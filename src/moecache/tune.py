@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,6 +256,67 @@ def config_args(options: dict, user_args, environ) -> list[str]:
     return out
 
 
+PROFILE_MAGIC = "moecache-expert-profile 1"  # the hot-expert cache's profile format (llama-moe-cache.cpp)
+
+
+def profile_fingerprint(model: str | Path) -> tuple[str, int, int]:
+    """The line that ties a profile to its model, as the library writes it: the architecture, the layer count,
+    the experts per layer, the weights' element count and bytes; with the layers that have routed experts."""
+    from .gguf import GGUFReader
+
+    with GGUFReader(model) as g:
+        arch = g.get("general.architecture")
+        n_layer = g.get(f"{arch}.block_count")
+        n_expert = g.get(f"{arch}.expert_count")
+        if not arch or not n_layer or not n_expert:
+            raise ValueError(f"{model} declares no routed experts ({arch}.expert_count): a profile is for a MoE")
+        n_elements = sum(t.n_elements for t in g.tensors)
+        n_bytes = sum(t.nbytes for t in g.tensors)
+        moe = sorted({int(t.name.split(".")[1]) for t in g.tensors
+                      if t.name.startswith("blk.") and "_exps." in t.name})
+    return f"{arch} {int(n_layer)} {int(n_expert)} {n_elements} {n_bytes}", int(n_expert), moe
+
+
+def trace_counts(path: str | Path, seq: int | None = None, warmup: int = 0) -> dict[int, Counter]:
+    """How often each expert of each layer was routed in a trace (every layer a token has, after `warmup`
+    tokens)."""
+    counts: dict[int, Counter] = {}
+    n = 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            x = json.loads(line)
+            if seq is not None and int(x.get("seq", 0)) != seq:
+                continue
+            n += 1
+            if n <= warmup:
+                continue
+            for layer, ids in x["layers"].items():
+                counts.setdefault(int(layer), Counter()).update(int(i) for i in ids)
+    return counts
+
+
+def write_profile(path: Path, model: str | Path, counts: dict[int, Counter]) -> int:
+    """The routing counts as the cache's expert profile of `model` (read at start by moecache-server
+    --moe-cache-profile FILE, which keeps adding to it); written whole or not at all. The layers written."""
+    fingerprint, n_expert, moe_layers = profile_fingerprint(model)
+    bad = [(l, e) for l, c in counts.items() for e in c if not 0 <= e < n_expert]
+    if bad:
+        raise ValueError(f"the trace routes to expert {bad[0][1]} of layer {bad[0][0]}, but {model} has {n_expert} "
+                         f"experts per layer: it was recorded with another model")
+    lines = [PROFILE_MAGIC, f"model {fingerprint}"]
+    for il in moe_layers:
+        c = counts.get(il, Counter())
+        lines.append(f"layer {il} " + " ".join(str(c.get(e, 0)) for e in range(n_expert)))
+    lines.append("end")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return len(moe_layers)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -284,6 +347,12 @@ def build_parser(prog: str = "moecache tune") -> argparse.ArgumentParser:
     p.add_argument("--write-config", metavar="FILE", default=None,
                    help="write the recommendation as a config for moecache-server --tune-config FILE")
     p.add_argument("--json", dest="json_out", default=None, help="also write the whole curve as JSON")
+    p.add_argument("--write-profile", metavar="FILE", nargs="?", const="", default=None,
+                   help="write the trace's routing counts as the cache's expert profile of --model, which "
+                        "moecache-server reads at start to fill the cache's slots before the first request; without "
+                        "FILE, where moecache-server keeps that model's profile by default")
+    p.add_argument("--model", metavar="MODEL.gguf", default=None,
+                   help="the model the trace was recorded with (for --write-profile)")
     return p
 
 
@@ -299,11 +368,26 @@ def main(argv: list[str] | None = None, prog: str = "moecache tune") -> int:
     if args.max_uploads < 1:
         print(f"{prog}: --max-uploads must be >= 1", file=sys.stderr)
         return 2
+    if args.write_profile is not None and not args.model:
+        print(f"{prog}: --write-profile needs --model MODEL.gguf (the profile names the model it belongs to)",
+              file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace, args.seq)
     except TraceError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    if args.write_profile is not None:
+        from .paths import profile_path
+
+        where = Path(args.write_profile) if args.write_profile else profile_path(args.model)
+        try:
+            n = write_profile(where, args.model, trace_counts(args.trace, args.seq, args.warmup))
+        except (OSError, ValueError) as e:
+            print(f"{prog}: --write-profile: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {where}: the routing of {len(trace.tokens)} tokens over {n} layers; moecache-server reads it "
+              f"at start" + ("" if not args.write_profile else f" with --moe-cache-profile {where}"))
     swap_rows = None
     if args.swap_bench:
         try:

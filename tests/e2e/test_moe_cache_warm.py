@@ -124,3 +124,33 @@ def test_the_python_api_keeps_a_profile_too(tiny_model, tmp_path, monkeypatch):
     assert profile.read_text().startswith("moecache-expert-profile 1\n")
     again = model.context(n_ctx=512, n_ubatch=64, n_threads=2, moe_cache_slots=SLOTS, moe_cache_profile=str(profile))
     assert again.expert_cache.stats_json()["profile_uploads"] == SLOTS * N_LAYER
+
+
+def test_tune_writes_a_profile_the_server_reads(tiny_model, cold, tmp_path, subprocess_env):
+    """`moecache tune TRACE --write-profile FILE --model MODEL`: the trace's routing counts as the profile
+    of the model the library itself fingerprints; a fresh server starts with its hottest experts."""
+    import subprocess
+    import sys
+
+    trace = tmp_path / "routing.jsonl"
+    library = tmp_path / "library.profile"
+    with ServerProcess(tiny_model, args=[*ARGS, "--moe-routing-trace", str(trace), "--moe-cache-profile",
+                                         str(library)], env=ENV, timeout=120) as srv:
+        complete(srv, PROMPT, n_predict=N_PREDICT)
+        srv.stop()
+    written = tmp_path / "tuned.profile"
+    r = subprocess.run([sys.executable, "-m", "moecache", "tune", str(trace), "--write-profile", str(written),
+                        "--model", str(tiny_model), "--slots", "4"],
+                       env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {written}" in r.stdout
+    lines = written.read_text().splitlines()
+    assert lines[1] == library.read_text().splitlines()[1]  # the library's own fingerprint of the model
+    assert len(lines) == N_LAYER + 3 and sum(sum(map(int, l.split()[2:])) for l in lines[2:-1]) > 0
+    tokens, st, log = first_request(tiny_model, "--moe-cache-profile", str(written))
+    assert st["profile_uploads"] == SLOTS * N_LAYER and "is ignored" not in log
+    assert st["total"]["hits"] > cold[1]["total"]["hits"] and tokens == cold[0]
+    # without --model: refused, naming the fix
+    r = subprocess.run([sys.executable, "-m", "moecache", "tune", str(trace), "--write-profile", str(written)],
+                       env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--write-profile needs --model" in r.stderr
