@@ -7,11 +7,11 @@
 //   split  one graph per layer, computed one after the other with --gap-us of idle time between them
 //          (the GPU's part of a layer in a real decode, while the CPU's threads poll and then sleep):
 //          what the hand-overs add; only the graphs' own compute time counts
-// Random Q4_0 weights (a small fixed scale, random quants): the time does not depend on the values.
+// Random weights of --type (default Q4_0; a small fixed scale, random quants): the time does not depend on the values.
 // One JSON line per (mode, threads):
 //   {"mode": "...", "threads": T, "layers": L, "tokens": N, "ms_per_token": median, "ms_min": ...,
 //    "gb_per_token": expert bytes read, "gb_s": at the median, "hugepages": 0|1, "mmid_flat": 0|1,
-//    "dot_x4": 0|1, "repack": 0|1, "checksum": FNV-1a of the last token's outputs}
+//    "dot_x4": 0|1, "repack": 0|1, "type": "q4_0", "checksum": FNV-1a of the last token's outputs}
 // The checksum is the same for a seed whatever the split of the rows among threads: a check that
 // GGML_CPU_MMID_FLAT=1 computes what the stock split does, and GGML_CPU_DOT_X4=1 what the one-row kernel
 // does, bit for bit (not across -t, which can change how the activations are quantized).
@@ -24,7 +24,7 @@
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
 //                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]
-//                  [--seed S]
+//                  [--type q4_0|q8_0|q4_K|q5_K|q6_K|iq4_xs|mxfp4] [--seed S]
 //   (defaults: the Qwen3-30B-A3B shape: 48 layers, 128 experts, 8 used, 768 x 2048; 32 tokens; the
 //   machine's hardware threads; both modes; a gap of 60 us)
 
@@ -70,11 +70,26 @@ static int64_t parse_positive(const char * s, const char * what) {
     return v[0];
 }
 
-// Q4_0 blocks with the scale 1/64 and random quants, a part of the tensors per hardware thread: written
-// straight into a CPU buffer, or set through the repack buffer (which takes a whole tensor at once)
-static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed, bool repacked) {
+// The fp16 scales of a block (byte offsets), set to a small fixed value; every other byte is random (the
+// quants and the K-quants' and IQ4_XS's sub-block scales): finite weights in the type's own layout
+static std::vector<size_t> block_scales(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q8_0:
+        case GGML_TYPE_IQ4_XS: return { 0 };
+        case GGML_TYPE_Q4_K:
+        case GGML_TYPE_Q5_K:   return { 0, 2 };             // d, dmin
+        case GGML_TYPE_Q6_K:   return { 128 + 64 + 16 };    // after ql, qh, scales
+        default:               return {};
+    }
+}
+
+// Random blocks of `type`, a part of the tensors per hardware thread: written straight into a CPU buffer,
+// or set through the repack buffer (which takes a whole tensor at once)
+static void fill_blocks(const std::vector<ggml_tensor *> & tensors, ggml_type type, uint64_t seed, bool repacked) {
     const ggml_fp16_t scale = ggml_fp32_to_fp16(1.0f/64.0f);
-    const size_t block = ggml_type_size(GGML_TYPE_Q4_0);
+    const size_t block = ggml_type_size(type);
+    const std::vector<size_t> scales = block_scales(type);
     const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::thread> workers;
     for (unsigned w = 0; w < n_threads; ++w) {
@@ -88,10 +103,15 @@ static void fill_q4_0(const std::vector<ggml_tensor *> & tensors, uint64_t seed,
                 const size_t n_blocks = ggml_nbytes(tensors[i]) / block;
                 uint64_t x = seed + 0x9e3779b97f4a7c15ull * (i + 1);
                 for (size_t b = 0; b < n_blocks; ++b, p += block) {
-                    memcpy(p, &scale, sizeof(scale));
-                    for (size_t q = sizeof(scale); q < block; q += 8) {
+                    for (size_t q = 0; q < block; q += 8) {
                         x ^= x << 13; x ^= x >> 7; x ^= x << 17; // xorshift64
                         memcpy(p + q, &x, std::min<size_t>(8, block - q));
+                    }
+                    for (size_t off : scales) {
+                        memcpy(p + off, &scale, sizeof(scale));
+                    }
+                    if (type == GGML_TYPE_MXFP4) {
+                        p[0] = 121; // its E8M0 scale: 2^-6
                     }
                 }
                 if (repacked) {
@@ -109,6 +129,7 @@ int main(int argc, char ** argv) {
     int64_t n_layer = 48, n_tokens = 32, n_expert = 128, n_used = 8, n_ff = 768, n_embd = 2048, gap_us = 60;
     uint64_t seed = 1;
     bool hugepages = false, repacked = false, flat = false, x4 = false;
+    ggml_type wtype = GGML_TYPE_Q4_0;
     std::vector<int64_t> threads = { (int64_t) std::max(1u, std::thread::hardware_concurrency()) };
     std::vector<std::string> modes = { "graph", "split" };
     for (int i = 1; i < argc; ++i) {
@@ -128,6 +149,20 @@ int main(int argc, char ** argv) {
         else if (a == "--repack") { repacked = true; }
         else if (a == "--flat") { flat = true; }
         else if (a == "--x4") { x4 = true; }
+        else if (a == "--type") {
+            const std::string t = need();
+            wtype = GGML_TYPE_COUNT;
+            for (ggml_type k : { GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K,
+                                 GGML_TYPE_IQ4_XS, GGML_TYPE_MXFP4 }) {
+                if (t == ggml_type_name(k)) {
+                    wtype = k;
+                }
+            }
+            if (wtype == GGML_TYPE_COUNT) {
+                fprintf(stderr, "bench-cpu-mmid: --type: '%s' is not one of q4_0, q8_0, q4_K, q5_K, q6_K, iq4_xs, mxfp4\n", t.c_str());
+                return 2;
+            }
+        }
         else if (a == "-m") {
             modes.clear();
             std::string s = need();
@@ -143,12 +178,13 @@ int main(int argc, char ** argv) {
         } else {
             fprintf(stderr, "usage: bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]\n"
                             "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]\n"
-                            "                      [--seed S]\n");
+                            "                      [--type q4_0|q8_0|q4_K|q5_K|q6_K|iq4_xs|mxfp4] [--seed S]\n");
             return a == "-h" || a == "--help" ? 0 : 2;
         }
     }
-    if (n_used > n_expert || n_embd % 32 != 0 || n_ff % 32 != 0 || gap_us < 0) {
-        fprintf(stderr, "bench-cpu-mmid: need n_used <= n_expert, N_EMBD and N_FF multiples of 32, a gap >= 0\n");
+    if (n_used > n_expert || n_embd % ggml_blck_size(wtype) != 0 || n_ff % ggml_blck_size(wtype) != 0 || gap_us < 0) {
+        fprintf(stderr, "bench-cpu-mmid: need n_used <= n_expert, N_EMBD and N_FF multiples of %lld (the type's block), "
+                        "a gap >= 0\n", (long long) ggml_blck_size(wtype));
         return 2;
     }
 
@@ -200,9 +236,9 @@ int main(int argc, char ** argv) {
     ggml_context * wctx = ggml_init(wp);
     std::vector<ggml_tensor *> gate(n_layer), up(n_layer), down(n_layer), all;
     for (int64_t il = 0; il < n_layer; ++il) {
-        gate[il] = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_embd, n_ff, n_expert);
-        up[il]   = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_embd, n_ff, n_expert);
-        down[il] = ggml_new_tensor_3d(wctx, GGML_TYPE_Q4_0, n_ff, n_embd, n_expert);
+        gate[il] = ggml_new_tensor_3d(wctx, wtype, n_embd, n_ff, n_expert);
+        up[il]   = ggml_new_tensor_3d(wctx, wtype, n_embd, n_ff, n_expert);
+        down[il] = ggml_new_tensor_3d(wctx, wtype, n_ff, n_embd, n_expert);
         all.insert(all.end(), { gate[il], up[il], down[il] });
     }
     ggml_backend_buffer_type_t wbuft = ggml_backend_dev_buffer_type(dev);
@@ -225,7 +261,7 @@ int main(int argc, char ** argv) {
             (double) n_layer*3*ggml_nbytes(gate[0])/(1u << 30));
         return 1;
     }
-    fill_q4_0(all, seed, repacked);
+    fill_blocks(all, wtype, seed, repacked);
     // the bytes a token reads: n_used experts' rows of the three matrices in every layer
     const double gb_per_token = (double) n_layer*n_used*3*(ggml_nbytes(gate[0])/n_expert)/1e9;
 
@@ -337,10 +373,10 @@ int main(int argc, char ** argv) {
             const double med = ms[ms.size()/2];
             printf("{\"mode\": \"%s\", \"threads\": %lld, \"layers\": %lld, \"tokens\": %lld, \"gap_us\": %lld, "
                    "\"ms_per_token\": %.4f, \"ms_min\": %.4f, \"gb_per_token\": %.6f, \"gb_s\": %.4g, "
-                   "\"hugepages\": %d, \"mmid_flat\": %d, \"dot_x4\": %d, \"repack\": %d, \"checksum\": \"%016llx\"}\n",
+                   "\"hugepages\": %d, \"mmid_flat\": %d, \"dot_x4\": %d, \"repack\": %d, \"type\": \"%s\", \"checksum\": \"%016llx\"}\n",
                 mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
                 (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
-                hugepages ? 1 : 0, mmid_flat, dot_x4, repacked ? 1 : 0, (unsigned long long) sum);
+                hugepages ? 1 : 0, mmid_flat, dot_x4, repacked ? 1 : 0, ggml_type_name(wtype), (unsigned long long) sum);
             fflush(stdout);
             for (size_t i = 0; i < graphs.size(); ++i) {
                 ggml_gallocr_free(allocs[i]);

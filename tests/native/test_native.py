@@ -112,10 +112,42 @@ def test_the_cpu_mmid_bench_reports_both_modes_and_the_flat_split_and_x4_dots_ar
     assert said["0", "0", ""] == said["0", "0", "--repack"] == [], said
 
 
+# the types real files keep their experts in: Q4_K_M / UD-Q4_K_XL mixes (q4_K, q5_K, q6_K), Q8_0, IQ4_XS,
+# gpt-oss (mxfp4); bytes per block of 256 weights
+FILE_TYPES = {"q4_K": 144, "q5_K": 176, "q6_K": 210, "q8_0": 8 * 34, "iq4_xs": 136, "mxfp4": 8 * 17}
+
+
+def test_the_flat_split_is_exact_for_the_types_real_files_use():
+    """The flat split (GGML_CPU_MMID_FLAT=1) hands each thread one contiguous run of rows and computes each
+    row with the type's own one-row kernel: for every type that real files keep their experts in, the
+    outputs' checksum is the stock split's, bit for bit, at one and two threads. The checksums differ from
+    type to type (each run computed its own type's weights) and the bytes per token are the type's."""
+    import json
+    import os
+
+    exe = binary("bench-cpu-mmid")
+    sums = {}
+    for t, block_bytes in FILE_TYPES.items():
+        for flat in ("0", "1"):
+            r = subprocess.run([str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "256", "-d", "512", "-n", "3",
+                                "-t", "1,2", "-m", "graph", "--type", t], capture_output=True, text=True, timeout=120,
+                               env={**os.environ, "GGML_CPU_MMID_FLAT": flat, "GGML_CPU_DOT_X4": "0"})
+            assert r.returncode == 0, r.stderr[-2000:]
+            rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+            assert [(x["type"], x["mmid_flat"], x["threads"]) for x in rows] == [(t, int(flat), 1), (t, int(flat), 2)]
+            # 2 layers x 2 experts x 3 matrices of 256 x 512 weights
+            assert all(abs(x["gb_per_token"] - 2 * 2 * 3 * 256 * 512 / 256 * block_bytes / 1e9) < 1e-6 for x in rows)
+            sums[t, flat] = [x["checksum"] for x in rows]
+        assert sums[t, "0"] == sums[t, "1"], (t, sums[t, "0"], sums[t, "1"])
+    assert len({tuple(v) for v in sums.values()}) == len(FILE_TYPES), sums
+
+
 def test_the_cpu_mmid_bench_names_a_bad_argument():
     assert_usage_error("bench-cpu-mmid", ["-t", "4,x"], "not a list of positive integers")
     assert_usage_error("bench-cpu-mmid", ["-m", "graph,fast"], "'fast' is not a mode")
     assert_usage_error("bench-cpu-mmid", ["-u", "9", "-e", "8"], "n_used <= n_expert")
+    assert_usage_error("bench-cpu-mmid", ["--type", "q3_K"], "'q3_K' is not one of")
+    assert_usage_error("bench-cpu-mmid", ["--type", "q4_K", "-f", "96"], "multiples of 256")
 
 
 def _dynamic_symbols(path) -> tuple[set[str], str]:
