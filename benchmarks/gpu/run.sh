@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [cpu-types] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, CPU_MMID_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -257,6 +257,25 @@ while [ $i -lt ${#phases[@]} ]; do
                 | tee -a "$out/run.log" || { tail -20 "$out/cpu-mmid.err"; failed=1; }
         done
         ;;
+    cpu-types)
+        # the CPU's experts in each type real files use against the host's read bound (issue 48): the 30B
+        # shape's three MUL_MAT_IDs over 48 layers, one token, random experts from DRAM, in one graph, with the
+        # stock and the flat split, on huge pages; then host-bandwidth.c's read at the same thread counts
+        # (CPU_TYPES_ARGS: the tool's flags; CPU_TYPES: the types)
+        mb=$(python3 -c 'from moecache.paths import binary; print(binary("bench-cpu-mmid"))')
+        targs=${CPU_TYPES_ARGS:-"-t 16 -n 32 -m graph --hugepages"}
+        : > "$out/cpu-types.jsonl"
+        for t in ${CPU_TYPES:-q4_0 q4_K q5_K q6_K q8_0 iq4_xs mxfp4}; do
+            for flat in 0 1; do
+                # shellcheck disable=SC2086 # the flags are word lists
+                GGML_CPU_MMID_FLAT=$flat "$mb" $targs --type "$t" 2>> "$out/cpu-types.err" | tee -a "$out/cpu-types.jsonl" \
+                    | python3 -c 'import json, sys; [print("cpu-types: %(type)s t=%(threads)d flat=%(mmid_flat)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
+                    | tee -a "$out/run.log" || { tail -20 "$out/cpu-types.err"; failed=1; }
+            done
+        done
+        cc -O3 -march=native -fopenmp -o /tmp/host-bandwidth "$repo/benchmarks/gpu/host-bandwidth.c"
+        /tmp/host-bandwidth 8 8,16 | tee "$out/host-bandwidth.jsonl" | tee -a "$out/run.log"
+        ;;
     qsa-ops)
         # where a QSA layer's indexer spends its time at depth, stage by stage on the GPU
         # (benchmarks/native/bench_qsa_indexer.cpp; QSA_OPS_ARGS: its flags)
@@ -350,7 +369,7 @@ while [ $i -lt ${#phases[@]} ]; do
             log "llama-archs: FAILED (see llama-archs.log)"; failed=1
         fi
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, cpu-types, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
