@@ -328,3 +328,37 @@ def test_the_python_api_loads_what_the_server_plans(tiny_model, budget, monkeypa
         assert plain.plan is None and not plain.expert_cache.enabled
     with pytest.raises(ValueError, match="plan must be"):
         moecache.load(tiny_model, plan="yes")
+
+
+@pytest.mark.parametrize("miss", [["--moe-cache-miss", "gpu"], ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", "30"]])
+def test_the_planned_combination_with_the_misses_on_the_device(tiny_model, budget, tmp_path, miss):
+    """What the plan gives a GPU machine now: the cache with warm prompts, the prefill swap, the expert profile
+    and the misses placed by the cost model (gpu, or auto with its crossover), together. On the host test
+    device the misses on the device compute what the CPU's would, so a prompt that swaps and the decode after it
+    give the tokens and log-probabilities of the same plan with the misses on the CPU; so does a restart that
+    reads the profile the first start wrote."""
+    from moe_cache_checks import logprobs
+
+    env = {**HOST, HOST_DEVICE_MIB_ENV: f"{budget:.6f}", "LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"}
+    plan = make_plan(_request(tiny_model), environ={**os.environ, **env})
+    profile = tmp_path / "experts.profile"
+    prompts = ["hello world " * 90, "def f(x):\n    return x * 2\n" * 4]  # 181 tokens (swapped), then a short one
+
+    def serve(extra):
+        args = ["-t", "2", *plan.args(), "--prefill-min-tokens", "128", *extra]
+        with ServerProcess(tiny_model, args=args, env=env, timeout=120) as srv:
+            outs = [complete(srv, p, n_predict=12) for p in prompts]
+            st = cache_stats(srv)
+            log = srv.log_text()
+            srv.stop()
+        return outs, st, log
+
+    ref, _, _ = serve([])
+    outs, st, log = serve([*miss, "--moe-cache-profile", str(profile)])
+    assert "prefill swap" in log and st["warm_prompts"] and st["profile"]
+    assert st["total"]["n_miss_device"] > 0 if miss[1] == "gpu" else st["miss"] == "auto", st["total"]
+    again, st2, log2 = serve([*miss, "--moe-cache-profile", str(profile)])
+    assert st2["profile_uploads"] > 0 and "is ignored" not in log2
+    for a, b, c in zip(ref, outs, again):
+        assert a["tokens"] == b["tokens"] == c["tokens"]
+        assert logprobs(a) == logprobs(b) == logprobs(c)
