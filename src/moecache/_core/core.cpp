@@ -37,6 +37,8 @@ namespace py = pybind11;
 // Errors that the module's translator raises as moecache.ModelLoadError / MemoryError subclasses.
 struct model_load_error : std::runtime_error { using std::runtime_error::runtime_error; };
 struct out_of_memory_error : std::runtime_error { using std::runtime_error::runtime_error; };
+// a model this API cannot run (it would abort inside llama_decode): moecache.MoecacheError
+struct unsupported_model_error : std::runtime_error { using std::runtime_error::runtime_error; };
 
 //
 // llama.cpp log capture: kept quiet by default, the last lines go into error messages
@@ -592,6 +594,19 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     }
     if (n_threads <= 0) {
         throw std::invalid_argument("n_threads must be > 0 (got " + std::to_string(n_threads) + ")");
+    }
+    // what llama_decode cannot run one token after another would abort the process there: say so here
+    const llama_model * model = m->model;
+    if (llama_model_is_diffusion(model)) {
+        throw unsupported_model_error("'" + m->arch + "' is a diffusion model: it refines a whole sequence at once, "
+            "which moecache's Context does not do (it generates one token after another). Run it with llama.cpp's "
+            "llama-diffusion-cli.");
+    }
+    if (llama_model_has_encoder(model)) {
+        throw unsupported_model_error("'" + m->arch + "' " + (llama_model_has_decoder(model) ?
+            "is an encoder-decoder model: its decoder needs the encoder's output first, which moecache's Context "
+            "does not compute" : "is an encoder-only model: it embeds text, it does not generate") +
+            ". moecache's Context runs decoder-only models.");
     }
     llama_context_params params = llama_context_default_params();
     if (flash_attn == "auto") {
@@ -1257,6 +1272,9 @@ PYBIND11_MODULE(_core, mod) {
             PyErr_SetString(cls.ptr(), e.what());
         } catch (const out_of_memory_error & e) {
             py::object cls = py::module_::import("moecache.api").attr("OutOfMemoryError");
+            PyErr_SetString(cls.ptr(), e.what());
+        } catch (const unsupported_model_error & e) {
+            py::object cls = py::module_::import("moecache.api").attr("MoecacheError");
             PyErr_SetString(cls.ptr(), e.what());
         }
     });
