@@ -173,8 +173,14 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
                 continue;
             }
             if (ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b) {
-                l.reason = "expert biases (not supported by the cache yet)";
-                continue;
+                if (params.miss == LLAMA_MOE_CACHE_MISS_CPU || !use_tables) {
+                    l.reason = "expert biases: cached only with its misses on the device (--moe-cache-miss gpu or auto)";
+                    continue;
+                }
+                l.bias_src[0] = ml.ffn_up_exps_b;
+                l.bias_src[1] = ml.ffn_gate_exps_b;
+                l.bias_src[2] = ml.ffn_down_exps_b;
+                l.bias_src[3] = ml.ffn_gate_up_exps_b;
             }
             l.src[0] = first;
             l.src[1] = ml.ffn_gate_up_exps ? nullptr : ml.ffn_gate_exps;
@@ -313,6 +319,9 @@ void llama_moe_cache::disable(const std::string & why) {
         for (auto & b : l.bank) {
             b = nullptr;
         }
+        for (auto & b : l.bias) {
+            b = nullptr;
+        }
     }
     n_cached = 0;
 }
@@ -414,7 +423,7 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         }
     }
     for (auto & [buft, ils] : by_buft) {
-        ggml_init_params ip = { ils.size()*3*ggml_tensor_overhead(), nullptr, true };
+        ggml_init_params ip = { ils.size()*7*ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
         if (!ctx) {
             LLAMA_LOG_ERROR("%s: cannot create the slot banks' tensor context: the hot-expert cache is off\n", __func__);
@@ -431,6 +440,13 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
                 l.bank[k] = ggml_new_tensor_3d(ctx.get(), l.src[k]->type, l.src[k]->ne[0], l.src[k]->ne[1], n_slots);
                 ggml_format_name(l.bank[k], "moe_cache.blk.%zu.%s", il, part[k]);
             }
+            static const char * bias_part[4] = { "up", "gate", "down", "gate_up" };
+            for (int k = 0; k < 4; ++k) {
+                if (l.bias_src[k]) {
+                    l.bias[k] = ggml_dup_tensor(ctx.get(), l.bias_src[k]);
+                    ggml_format_name(l.bias[k], "moe_cache.blk.%zu.%s.bias", il, bias_part[k]);
+                }
+            }
         }
         const bool inject = fail_now(fail_alloc_at, ++n_allocs);
         ggml_backend_buffer_t buf = inject ? nullptr : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
@@ -438,6 +454,9 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             size_t need = 0;
             for (size_t il : ils) {
                 for (ggml_tensor * t : layers[il].bank) {
+                    need += t ? ggml_backend_buft_get_alloc_size(buft, t) : 0;
+                }
+                for (ggml_tensor * t : layers[il].bias) {
                     need += t ? ggml_backend_buft_get_alloc_size(buft, t) : 0;
                 }
             }
@@ -449,6 +468,18 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0);
+        // the biases are small (n_ff x n_expert per tensor): copied whole, once per allocation
+        std::vector<uint8_t> bias_data;
+        for (size_t il : ils) {
+            auto & l = layers[il];
+            for (int k = 0; k < 4; ++k) {
+                if (l.bias[k]) {
+                    bias_data.resize(ggml_nbytes(l.bias_src[k]));
+                    ggml_backend_tensor_get(l.bias_src[k], bias_data.data(), 0, bias_data.size());
+                    ggml_backend_tensor_set(l.bias[k], bias_data.data(), 0, bias_data.size());
+                }
+            }
+        }
         bank_bytes[buft] += ggml_backend_buffer_get_size(buf);
         bufs.emplace_back(buf);
         ctxs.push_back(std::move(ctx));
@@ -490,6 +521,12 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             if (use_tables) {
                 make_tables();
             }
+        }
+    }
+    for (auto & l : layers) {
+        if (l.cached() && l.biased() && (!l.mapped[0] || !l.table[0] || l.table_dev < 0)) {
+            disable_layer(l, std::string("expert biases: ") + ggml_backend_dev_name(l.dev) + " cannot run the layer's "
+                "misses through address tables (its host experts are not mapped, or it has no table kernel for them)");
         }
     }
     // the tables hold the banks' addresses, which every allocation (a resume too) renews
@@ -706,7 +743,7 @@ void llama_moe_cache::map_host_experts() {
             continue;
         }
         l.src_pinned  = ggml_backend_dev_type(l.dev) != GGML_BACKEND_DEVICE_TYPE_CPU;
-        l.miss_device = params.miss == LLAMA_MOE_CACHE_MISS_DEVICE;
+        l.miss_device = params.miss == LLAMA_MOE_CACHE_MISS_DEVICE || l.biased();
         n_mapped++;
     }
     routes_ver++;
@@ -858,8 +895,8 @@ void llama_moe_cache::update_routes() {
         return;
     }
     for (auto & l : layers) {
-        if (!l.cached() || !l.mapped[0] || l.n_used <= 0) {
-            continue;
+        if (!l.cached() || !l.mapped[0] || l.n_used <= 0 || l.biased()) {
+            continue; // (a biased layer's misses run only on its device)
         }
         const size_t n = (size_t) std::min<uint64_t>(l.recent_n, l.recent_hits.size());
         if (n < 16) {
@@ -918,6 +955,9 @@ const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n
     const ggml_tensor * first = gate_up ? gate_up : up;
     if (l.src[0] != first || l.src[1] != (gate_up ? nullptr : gate) || l.src[2] != down) {
         return nullptr;
+    }
+    if (l.biased() && !runs_table(l, n_tokens)) {
+        return nullptr; // the stock path for this batch (see llama_moe_cache_layer::bias)
     }
     return &l;
 }

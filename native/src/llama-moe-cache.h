@@ -55,6 +55,14 @@ struct llama_moe_cache_layer {
     // they are not mapped; whether the graphs run the misses on them now
     ggml_tensor * mapped[3] = {};
     bool          miss_device = false;
+
+    // expert biases (gpt-oss), as the model's tensors (up, gate, down, gate_up) and their copies on the
+    // layer's device, made with the banks. A biased layer runs cached only as one expert FFN over every
+    // routed expert (the table path), whose biases keep the routed ids as on the stock path; the two
+    // branches would add a bias to the rows the other branch computes
+    ggml_tensor * bias_src[4] = {};
+    ggml_tensor * bias[4]     = {};
+    bool biased() const { return bias_src[0] || bias_src[1] || bias_src[2] || bias_src[3]; }
     bool          src_pinned  = false; // the host tensors are page-locked: uploads need no staging
 
     // hits and device misses in one expert FFN (ggml_mul_mat_id_table): per tensor, each expert's
