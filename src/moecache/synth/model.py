@@ -183,7 +183,8 @@ DIRECT_QUANTS: dict[str, tuple[GGMLType, int]] = {
 }
 # quant types made by the built llama-quantize from an F16 / Q8_0 file (no importance matrix needed)
 QUANTIZE_QUANTS = ("q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-                   "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
+                   "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs",
+                   "mxfp4_moe")  # the routed experts in MXFP4 (as gpt-oss ships them), the rest Q8_0
 
 
 ALL_QUANTS = tuple(DIRECT_QUANTS) + QUANTIZE_QUANTS

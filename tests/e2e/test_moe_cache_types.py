@@ -1,0 +1,63 @@
+"""The expert types real files use through every path of the hot-expert cache, on the CPU with the library's
+host test device as the GPU: the `demo` preset (rows of 256 values, so K-quants apply) made with the built
+llama-quantize as Q4_K_M (Q4_K and Q6_K experts) and as MXFP4_MOE (MXFP4 experts, as gpt-oss ships them).
+Uploads into slots, the two branches with the misses on the CPU, the misses on the device through the address
+tables, and a prompt the prefill-phase swap runs at a 4x ubatch with its warm restore each give the stock
+path's tokens and top log-probabilities bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cache_checks import assert_same_outputs, cache_stats, complete, real_text
+from moecache.server import ServerProcess
+
+ENV = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1", "LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"}
+BASE = ["-t", "2", "-c", "2048", "-np", "1", "-ngl", "99", "--cpu-moe", "--no-repack", "-b", "2048"]
+EXPERT_TYPES = {"q4_k_m": {"q4_K", "q6_K"}, "mxfp4_moe": {"mxfp4"}}
+
+
+@pytest.fixture(scope="module", params=sorted(EXPERT_TYPES))
+def typed_model(request, moecache_cache_dir, llama_server_bin):
+    from moecache import synth
+    from moecache.gguf import GGUFReader
+
+    models = moecache_cache_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    path = models / synth.cached_model_name("demo", request.param, seed=0)
+    if not path.exists():
+        synth.write_model(path, preset="demo", quant=request.param, seed=0, progress=False, threads=2)
+    with GGUFReader(path) as g:
+        types = {t.type.name.lower() for t in g.tensors if "_exps." in t.name}
+    assert {t.lower() for t in EXPERT_TYPES[request.param]} <= types, types  # the experts really are those types
+    return path
+
+
+def run(model, args, prompts, n_predict=12):
+    with ServerProcess(model, args=[*BASE, *args], env=ENV, timeout=180) as srv:
+        outs = [complete(srv, p, n_predict=n_predict) for p in prompts]
+        return outs, cache_stats(srv), srv.log_text()
+
+
+SHORT = ["def add(a, b):\n    return a + b\n", "The history of the city begins"]
+
+
+@pytest.mark.parametrize("miss", ["cpu", "gpu"])
+def test_slots_and_both_miss_paths_are_exact(typed_model, miss):
+    ref, _, _ = run(typed_model, ["-ub", "64"], SHORT)
+    outs, st, _ = run(typed_model, ["-ub", "64", "--moe-cache-slots", "8", "--moe-cache-miss", miss], SHORT)
+    assert_same_outputs(ref, outs)
+    tot = st["total"]
+    assert tot["uploads"] > 0 and tot["hits"] > 0 and tot["misses"] > 0, tot
+    if miss == "gpu":
+        assert all(l["table"] and l["miss"] == "device" for l in st["layers"]), st["layers"]
+
+
+def test_a_swapped_prompt_and_its_warm_restore_are_exact(typed_model):
+    prompt = [real_text(400, 1400)]
+    ref, _, _ = run(typed_model, ["-ub", "256"], prompt)
+    outs, st, log = run(typed_model, ["-ub", "64", "--moe-cache-slots", "8", "--prefill-ubatch", "256",
+                                      "--prefill-min-tokens", "128"], prompt)
+    assert "prefill swap" in log and outs[0]["timings"]["prompt_n"] >= 128
+    assert_same_outputs(ref, outs)
+    assert st["total"]["uploads"] > 0
