@@ -98,7 +98,12 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
 
     n_exp = (int32_t) hparams.n_expert;
     layers.resize(model.layers.size());
-    maps_host.resize((size_t) std::max(n_exp, 1) * 2 * layers.size());
+    bool any_bias = false;
+    for (const auto & ml : model.layers) {
+        any_bias = any_bias || ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b;
+    }
+    map_rows = (any_bias ? 4 : 2) * (int32_t) layers.size();
+    maps_host.resize((size_t) std::max(n_exp, 1) * map_rows);
     for (size_t il = 0; il < layers.size(); ++il) {
         auto & l = layers[il];
         const auto & ml = model.layers[il];
@@ -111,6 +116,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
         for (int32_t e = 0; e < n_exp; ++e) {
             maps_host[(2*il + 0)*n_exp + e] = -1;
             maps_host[(2*il + 1)*n_exp + e] = e;
+            if (any_bias) {
+                maps_host[(2*layers.size() + 2*il + 0)*n_exp + e] = n_exp;
+                maps_host[(2*layers.size() + 2*il + 1)*n_exp + e] = e;
+            }
         }
     }
 
@@ -173,10 +182,6 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
                 continue;
             }
             if (ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b) {
-                if (params.miss == LLAMA_MOE_CACHE_MISS_CPU || !use_tables) {
-                    l.reason = "expert biases: cached only with its misses on the device (--moe-cache-miss gpu or auto)";
-                    continue;
-                }
                 l.bias_src[0] = ml.ffn_up_exps_b;
                 l.bias_src[1] = ml.ffn_gate_exps_b;
                 l.bias_src[2] = ml.ffn_down_exps_b;
@@ -280,6 +285,9 @@ void llama_moe_cache::stop(const char * why) {
             t = nullptr;
         }
         for (auto & t : l.table) {
+            t = nullptr;
+        }
+        for (auto & t : l.bias_host) {
             t = nullptr;
         }
         l.table_dev    = -1;
@@ -443,7 +451,7 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             static const char * bias_part[4] = { "up", "gate", "down", "gate_up" };
             for (int k = 0; k < 4; ++k) {
                 if (l.bias_src[k]) {
-                    l.bias[k] = ggml_dup_tensor(ctx.get(), l.bias_src[k]);
+                    l.bias[k] = ggml_new_tensor_2d(ctx.get(), l.bias_src[k]->type, l.bias_src[k]->ne[0], n_exp + 1);
                     ggml_format_name(l.bias[k], "moe_cache.blk.%zu.%s.bias", il, bias_part[k]);
                 }
             }
@@ -468,7 +476,8 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         }
         ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_buffer_clear(buf, 0);
-        // the biases are small (n_ff x n_expert per tensor): copied whole, once per allocation
+        // the biases are small (n_ff x n_expert per tensor): copied whole, once per allocation, in front of the
+        // zero column (the buffer was cleared)
         std::vector<uint8_t> bias_data;
         for (size_t il : ils) {
             auto & l = layers[il];
@@ -515,18 +524,13 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
     }
     if (!aux_made) {
         aux_made = true;
+        make_host_biases();
         make_readbacks();
         if (params.miss != LLAMA_MOE_CACHE_MISS_CPU) {
             map_host_experts();
             if (use_tables) {
                 make_tables();
             }
-        }
-    }
-    for (auto & l : layers) {
-        if (l.cached() && l.biased() && (!l.mapped[0] || !l.table[0] || l.table_dev < 0)) {
-            disable_layer(l, std::string("expert biases: ") + ggml_backend_dev_name(l.dev) + " cannot run the layer's "
-                "misses through address tables (its host experts are not mapped, or it has no table kernel for them)");
         }
     }
     // the tables hold the banks' addresses, which every allocation (a resume too) renews
@@ -652,6 +656,55 @@ void llama_moe_cache::make_readbacks() {
     }
 }
 
+void llama_moe_cache::make_host_biases() {
+    // the biased layers' biases with the zero column, in host memory: the CPU's misses add them there
+    // (the device copies would be copied back to the CPU at every step)
+    std::vector<llama_moe_cache_layer *> biased;
+    for (auto & l : layers) {
+        if (l.cached() && l.biased()) {
+            biased.push_back(&l);
+        }
+    }
+    if (biased.empty()) {
+        return;
+    }
+    ggml_init_params ip = { 4*biased.size()*ggml_tensor_overhead(), nullptr, true };
+    ggml_context_ptr ctx(ggml_init(ip));
+    if (!ctx) {
+        return;
+    }
+    for (auto * l : biased) {
+        for (int k = 0; k < 4; ++k) {
+            if (l->bias_src[k]) {
+                l->bias_host[k] = ggml_new_tensor_2d(ctx.get(), l->bias_src[k]->type, l->bias_src[k]->ne[0], n_exp + 1);
+                ggml_format_name(l->bias_host[k], "moe_cache.blk.%d.bias_host.%d", l->il, k);
+            }
+        }
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU));
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+    if (!buf) {
+        for (auto * l : biased) {
+            for (auto & t : l->bias_host) {
+                t = nullptr;
+            }
+            disable_layer(*l, "expert biases: no host memory for their copies");
+        }
+        return;
+    }
+    ggml_backend_buffer_clear(buf, 0);
+    for (auto * l : biased) {
+        for (int k = 0; k < 4; ++k) {
+            if (l->bias_host[k]) {
+                ggml_backend_tensor_get(l->bias_src[k], l->bias_host[k]->data, 0, ggml_nbytes(l->bias_src[k]));
+            }
+        }
+    }
+    aux_bytes[buft] += ggml_backend_buffer_get_size(buf);
+    aux_bufs.emplace_back(buf);
+    aux_ctxs.push_back(std::move(ctx));
+}
+
 void llama_moe_cache::map_host_experts() {
     const auto t0 = std::chrono::steady_clock::now();
     static const char * part[3] = { "up", "gate", "down" };
@@ -743,7 +796,7 @@ void llama_moe_cache::map_host_experts() {
             continue;
         }
         l.src_pinned  = ggml_backend_dev_type(l.dev) != GGML_BACKEND_DEVICE_TYPE_CPU;
-        l.miss_device = params.miss == LLAMA_MOE_CACHE_MISS_DEVICE || l.biased();
+        l.miss_device = params.miss == LLAMA_MOE_CACHE_MISS_DEVICE;
         n_mapped++;
     }
     routes_ver++;
@@ -895,8 +948,8 @@ void llama_moe_cache::update_routes() {
         return;
     }
     for (auto & l : layers) {
-        if (!l.cached() || !l.mapped[0] || l.n_used <= 0 || l.biased()) {
-            continue; // (a biased layer's misses run only on its device)
+        if (!l.cached() || !l.mapped[0] || l.n_used <= 0) {
+            continue;
         }
         const size_t n = (size_t) std::min<uint64_t>(l.recent_n, l.recent_hits.size());
         if (n < 16) {
@@ -955,9 +1008,6 @@ const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n
     const ggml_tensor * first = gate_up ? gate_up : up;
     if (l.src[0] != first || l.src[1] != (gate_up ? nullptr : gate) || l.src[2] != down) {
         return nullptr;
-    }
-    if (l.biased() && !runs_table(l, n_tokens)) {
-        return nullptr; // the stock path for this batch (see llama_moe_cache_layer::bias)
     }
     return &l;
 }
@@ -1159,6 +1209,10 @@ void llama_moe_cache::set_map(int32_t il, int32_t expert, int32_t slot) {
     }
     maps_host[(2*(size_t) il + 0)*n_exp + expert] = slot;
     maps_host[(2*(size_t) il + 1)*n_exp + expert] = slot >= 0 ? -1 : expert;
+    if ((size_t) map_rows > 2*layers.size()) {
+        maps_host[(2*layers.size() + 2*(size_t) il + 0)*n_exp + expert] = slot >= 0 ? expert : n_exp;
+        maps_host[(2*layers.size() + 2*(size_t) il + 1)*n_exp + expert] = slot >= 0 ? n_exp : expert;
+    }
     if (l.table_dev >= 0) {
         table_entry(l, expert);
     }

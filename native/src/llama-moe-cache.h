@@ -56,12 +56,13 @@ struct llama_moe_cache_layer {
     ggml_tensor * mapped[3] = {};
     bool          miss_device = false;
 
-    // expert biases (gpt-oss), as the model's tensors (up, gate, down, gate_up) and their copies on the
-    // layer's device, made with the banks. A biased layer runs cached only as one expert FFN over every
-    // routed expert (the table path), whose biases keep the routed ids as on the stock path; the two
-    // branches would add a bias to the rows the other branch computes
-    ggml_tensor * bias_src[4] = {};
-    ggml_tensor * bias[4]     = {};
+    // expert biases (gpt-oss), as the model's tensors (up, gate, down, gate_up), and copies with one more
+    // column, of zeros, past the last expert: on the layer's device (made with the banks) and in host memory
+    // (for misses on the CPU). One expert FFN adds them with the routed ids as the stock path does; each of
+    // the two branches adds them with its own ids, the zero column for the rows the other branch computes
+    ggml_tensor * bias_src[4]  = {};
+    ggml_tensor * bias[4]      = {};
+    ggml_tensor * bias_host[4] = {};
     bool biased() const { return bias_src[0] || bias_src[1] || bias_src[2] || bias_src[3]; }
     bool          src_pinned  = false; // the host tensors are page-locked: uploads need no staging
 
@@ -143,8 +144,11 @@ struct llama_moe_cache {
 
     int32_t n_expert() const { return n_exp; }
     int32_t n_layer () const { return (int32_t) layers.size(); }
-    // host copy of the maps: [n_expert, 2*n_layer] I32, row 2*il = expert -> slot, row 2*il+1 = expert or -1
+    // host copy of the maps: [n_expert, n_map_rows()] I32, row 2*il = expert -> slot, row 2*il+1 = expert or -1;
+    // for a model with expert biases also row 2*n_layer + 2*il = expert if in a slot, else n_expert (the
+    // biases' zero column), and row 2*n_layer + 2*il + 1 = expert if not, else n_expert
     const std::vector<int32_t> & maps() const { return maps_host; }
+    int32_t n_map_rows() const { return map_rows; }
 
     // --- context side
 
@@ -245,6 +249,7 @@ private:
     void worker_main();
     void run_job(upload_job & job);
     void set_map(int32_t il, int32_t expert, int32_t slot);
+    void make_host_biases();
     void map_host_experts();       // mapped[] of the layers whose device reads host memory in place
     void make_tables();            // table[] of the mapped layers whose device reads address tables
     void table_entry(llama_moe_cache_layer & l, int32_t expert); // from published[] into the host copy
@@ -312,6 +317,7 @@ private:
 
     std::vector<llama_moe_cache_layer> layers;
     std::vector<int32_t>               maps_host;
+    int32_t                            map_rows = 0;
 
     // misses on the device; routed ids read back once per device and ubatch
     struct readback {
