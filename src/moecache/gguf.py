@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -251,6 +252,17 @@ def dequantize_q4_0(blocks: np.ndarray | bytes) -> np.ndarray:
 # standard deviation of the weights of such a block, per unit of d
 Q8_0_RANDOM_STD = float(np.sqrt(2 * sum(k * k for k in range(1, 128)) / 256))  # -127..127, and 0 twice
 Q4_0_RANDOM_STD = float(np.sqrt(2 * sum(k * k for k in range(1, 8)) / 16))     # -7..7, and 0 twice
+# MXFP4: a block's 32 weights are kvalues_mxfp4[nibble] (E2M1 doubled: 0, +-1, 2, 3, 4, 6, 8, 12, symmetric)
+# times 2^(e - 128) for its E8M0 byte e; uniform random nibbles have mean 0 and this standard deviation
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MXFP4_RANDOM_STD = float(np.sqrt(sum(v * v for v in MXFP4_VALUES) / 16))
+
+
+def mxfp4_scale_byte(std: float) -> int:
+    """The E8M0 byte that gives uniform random MXFP4 blocks a standard deviation nearest `std` (a power of 2
+    apart at most)."""
+    e = 128 + int(round(math.log2(std / MXFP4_RANDOM_STD))) if std > 0 else 0
+    return min(254, max(1, e))
 
 
 def zero_mean_quants(raw: np.ndarray, ggml_type: GGMLType | int) -> np.ndarray:
@@ -286,11 +298,15 @@ def random_blocks(rng: np.random.Generator, n_blocks: int, ggml_type: GGMLType |
         raw = zero_mean_quants(rng.integers(0, 256, size=(n_blocks, 18), dtype=np.uint8), ggml_type)
         raw[:, 0:2] = np.frombuffer(np.float16(std / Q4_0_RANDOM_STD).tobytes(), dtype=np.uint8)
         return raw
+    if ggml_type == GGMLType.MXFP4:
+        raw = rng.integers(0, 256, size=(n_blocks, 17), dtype=np.uint8)
+        raw[:, 0] = mxfp4_scale_byte(std)
+        return raw
     if ggml_type in (GGMLType.F16, GGMLType.F32):
         dt = np.float16 if ggml_type == GGMLType.F16 else np.float32
         return (rng.standard_normal(n_blocks, dtype=np.float32) * np.float32(std)).astype(dt).view(np.uint8) \
             .reshape(n_blocks, -1)
-    raise GGUFError(f"random blocks of type {ggml_type.name} are not supported (use Q8_0, Q4_0, F16 or F32)")
+    raise GGUFError(f"random blocks of type {ggml_type.name} are not supported (use Q8_0, Q4_0, MXFP4, F16 or F32)")
 
 
 def quantize(x: np.ndarray, ggml_type: GGMLType | int) -> np.ndarray:

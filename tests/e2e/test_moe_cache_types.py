@@ -1,6 +1,7 @@
 """The expert types real files use through every path of the hot-expert cache, on the CPU with the library's
 host test device as the GPU: the `demo` preset (rows of 256 values, so K-quants apply) made with the built
-llama-quantize as Q4_K_M (Q4_K and Q6_K experts) and as MXFP4_MOE (MXFP4 experts, as gpt-oss ships them).
+llama-quantize as Q4_K_M (Q4_K and Q6_K experts) and as MXFP4_MOE (MXFP4 experts), and the `tiny-gpt-oss`
+preset as MXFP4_MOE (MXFP4 experts with biases, as gpt-oss ships them).
 Uploads into slots, the two branches with the misses on the CPU, the misses on the device through the address
 tables, and a prompt the prefill-phase swap runs at a 4x ubatch with its warm restore each give the stock
 path's tokens and top log-probabilities bit for bit."""
@@ -14,22 +15,25 @@ from moecache.server import ServerProcess
 
 ENV = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1", "LLAMA_MOE_CACHE_SYNC_UPLOADS": "1"}
 BASE = ["-t", "2", "-c", "2048", "-np", "1", "-ngl", "99", "--cpu-moe", "--no-repack", "-b", "2048"]
-EXPERT_TYPES = {"q4_k_m": {"q4_K", "q6_K"}, "mxfp4_moe": {"mxfp4"}}
+# (preset, quant): the expert types they give
+MODELS = {("demo", "q4_k_m"): {"q4_K", "q6_K"}, ("demo", "mxfp4_moe"): {"mxfp4"},
+          ("tiny-gpt-oss", "mxfp4_moe"): {"mxfp4"}}  # gpt-oss as it ships: MXFP4 experts with biases
 
 
-@pytest.fixture(scope="module", params=sorted(EXPERT_TYPES))
+@pytest.fixture(scope="module", params=sorted(MODELS), ids=lambda k: f"{k[0]}-{k[1]}")
 def typed_model(request, moecache_cache_dir, llama_server_bin):
     from moecache import synth
     from moecache.gguf import GGUFReader
 
+    preset, quant = request.param
     models = moecache_cache_dir / "models"
     models.mkdir(parents=True, exist_ok=True)
-    path = models / synth.cached_model_name("demo", request.param, seed=0)
+    path = models / synth.cached_model_name(preset, quant, seed=0)
     if not path.exists():
-        synth.write_model(path, preset="demo", quant=request.param, seed=0, progress=False, threads=2)
+        synth.write_model(path, preset=preset, quant=quant, seed=0, progress=False, threads=2)
     with GGUFReader(path) as g:
-        types = {t.type.name.lower() for t in g.tensors if "_exps." in t.name}
-    assert {t.lower() for t in EXPERT_TYPES[request.param]} <= types, types  # the experts really are those types
+        types = {t.type.name.lower() for t in g.tensors if "_exps.weight" in t.name}
+    assert {t.lower() for t in MODELS[request.param]} <= types, types  # the experts really are those types
     return path
 
 

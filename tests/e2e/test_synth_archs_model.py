@@ -1,6 +1,7 @@
-"""The tiny qwen35moe and qwen4exp synthetic models through the pinned llama.cpp on the CPU: each is
+"""The tiny qwen35moe, qwen4exp and gpt-oss synthetic models through the pinned llama.cpp on the CPU: each is
 written, loads (every kind of layer: linear attention, gated attention / QSA with its indexer, PLE,
-hyper-connections, MoE with a shared expert), generates greedily and deterministically with finite
+hyper-connections, MoE with a shared expert; gpt-oss's sliding-window layers, attention sinks and
+expert biases), generates greedily and deterministically with finite
 log-probabilities, and routes real text by token identity as the generator intends.
 
 Kept fast for 2-core machines: ~22 MB models, 2 threads, short prompts."""
@@ -14,7 +15,7 @@ import pytest
 
 from moecache import synth
 
-PRESETS = ("tiny-qwen35moe", "tiny-qwen4exp")
+PRESETS = ("tiny-qwen35moe", "tiny-qwen4exp", "tiny-gpt-oss")
 SERVER_ARGS = ["-t", "2", "-c", "512", "-np", "1", "-ngl", "0"]
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 

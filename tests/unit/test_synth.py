@@ -530,3 +530,30 @@ def test_the_test_models_are_cached_under_the_versioned_name(tiny_model):
     assert tiny_model.name == synth.cached_model_name("tiny", seed=0)
     with GGUFReader(tiny_model) as r:
         assert r["moecache.synth.version"] == synth.SYNTH_VERSION
+
+
+def test_gpt_oss_with_mxfp4_experts_is_written_directly(tmp_path):
+    """gpt-oss (its attention biases and sinks, expert biases) with --quant mxfp4_moe: the routed experts in
+    MXFP4 written directly (random nibbles, an E8M0 scale whose weights' std is within a factor of 2 of the
+    planned one), the other matmuls in Q8_0, the file type MOSTLY_MXFP4_MOE; the expert biases random, not 0."""
+    import numpy as np
+
+    from moecache.gguf import MXFP4_VALUES, GGMLType, GGUFReader
+
+    path = synth.write_model(tmp_path / "g.gguf", preset="tiny-gpt-oss", quant="mxfp4_moe", progress=False, threads=2)
+    specs = {s.name: s for s in synth.plan_tensors("tiny-gpt-oss", GGMLType.Q8_0)}
+    with GGUFReader(path) as g:
+        assert g.get("general.architecture") == "gpt-oss" and g.get("general.file_type") == 38
+        assert g.get("gpt-oss.attention.sliding_window") == 128
+        types = {t.name: t.type for t in g.tensors}
+        assert {types[n] for n in types if n.endswith("_exps.weight")} == {GGMLType.MXFP4}
+        assert types["blk.0.attn_q.weight"] == GGMLType.Q8_0 and types["blk.0.attn_sinks.weight"] == GGMLType.F32
+        raw = np.asarray(g.tensor_bytes("blk.1.ffn_up_exps.weight")).reshape(-1, 17)
+        vals = np.asarray(MXFP4_VALUES, dtype=np.float64)
+        q = raw[:, 1:]
+        w = np.concatenate([vals[q & 0x0F], vals[q >> 4]], axis=1) * np.exp2(raw[:, :1].astype(np.float64) - 128)
+        want = specs["blk.1.ffn_up_exps.weight"].std
+        assert want / 2 <= w.std() <= want * 2, (w.std(), want)
+        assert abs(w.mean()) < 0.05 * w.std()
+        bias = np.frombuffer(bytes(g.tensor_bytes("blk.1.ffn_gate_exps.bias")), dtype="<f4")
+        assert bias.std() > 0.05 and abs(bias.mean()) < 0.02

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -61,7 +61,7 @@ from ..gguf import GGMLType, ValueType
 from ..texts import default_texts  # noqa: F401  (moecache.synth.default_texts, as before)
 from . import archs
 from .model import (ARCH, SYNTH_VERSION, DEFAULT_QUANT, Preset, PRESETS, ROUTING_PROFILES,
-                    ROUTINGS, MAX_CONTEXT_MIX, routing_profile, DIRECT_QUANTS, QUANTIZE_QUANTS, ALL_QUANTS,
+                    ROUTINGS, MAX_CONTEXT_MIX, routing_profile, DIRECT_QUANTS, EXPERT_QUANTS, QUANTIZE_QUANTS, ALL_QUANTS,
                     F16_INTERMEDIATE_LIMIT, EMBED_CENTROID_WEIGHT, ROUTER_GAIN, ROUTER_NOISE,
                     EXPERT_POPULARITY_SIGMA, RESIDUAL_DRIFT, OUTPUT_LOGIT_STD, SWIGLU_STD, CHUNK_BYTES,
                     SynthError, TensorSpec, get_preset, general_kvs, shape_kvs, synth_kvs)
@@ -208,6 +208,12 @@ def embedding_rows(p: Preset, st: Structure, seed: int, r0: int, r1: int) -> np.
 
 def _random_raw_blocks(rng: np.random.Generator, n_blocks: int, wt: GGMLType, std: float) -> np.ndarray:
     """Like gguf.random_blocks, but with the generator's raw 64-bit output (several times faster)."""
+    if wt == GGMLType.MXFP4:
+        bsize = gguf.BLOCK_SIZES[wt][1]
+        nbytes = n_blocks * bsize
+        raw = rng.bit_generator.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes].reshape(n_blocks, bsize)
+        raw[:, 0] = gguf.mxfp4_scale_byte(std)
+        return raw
     if wt not in (GGMLType.Q8_0, GGMLType.Q4_0):
         return gguf.random_blocks(rng, n_blocks, wt, std)
     bsize = gguf.BLOCK_SIZES[wt][1]
@@ -276,7 +282,7 @@ def tokenizer_kvs(tokenizer: str = "qwen2") -> list[gguf.KV]:
 
 
 def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, routing_strength: float,
-                threads: int, progress: bool, context_mix: float = 0.0) -> None:
+                threads: int, progress: bool, context_mix: float = 0.0, expert_type: GGMLType | None = None) -> None:
     from .._progress import Progress
 
     tok = tokenizer_kvs(p.tokenizer)
@@ -285,6 +291,8 @@ def _write_gguf(out: Path, p: Preset, wt: GGMLType, file_type: int, seed: int, r
         raise SynthError(f"the {p.tokenizer} vocab file has {n_tokens} tokens but preset {p.name} needs {p.n_vocab}; "
                          "reinstall moecache (its vocab files come from the pinned llama.cpp tree)")
     specs = plan_tensors(p, wt, context_mix)
+    if expert_type is not None:
+        specs = [replace(x, type=expert_type) if x.name.endswith("_exps.weight") else x for x in specs]
     st = make_structure(p, seed)
     w = gguf.GGUFWriter(out, checksum=True)  # `moecache check` tells any damage to the weights
     for key, value, vtype in plan_kvs(p, file_type, seed, routing_strength, context_mix):
@@ -375,7 +383,8 @@ def write_model(path: str | os.PathLike, preset: str | Preset = "tiny", quant: s
     try:
         if quant in DIRECT_QUANTS:
             wt, ftype = DIRECT_QUANTS[quant]
-            _write_gguf(tmp, p, wt, ftype, seed, routing_strength, threads, progress, context_mix)
+            _write_gguf(tmp, p, wt, ftype, seed, routing_strength, threads, progress, context_mix,
+                        expert_type=EXPERT_QUANTS.get(quant))
         else:
             _quantize_binary(quant)  # fail before writing the intermediate file
             f16_size = sum(s.nbytes for s in plan_tensors(p, GGMLType.F16))
@@ -874,7 +883,7 @@ def build_parser(prog: str = "moecache synth") -> argparse.ArgumentParser:
     presets = "; ".join(f"{n}: {p.description}" for n, p in PRESETS.items())
     ap = argparse.ArgumentParser(
         prog=prog,
-        description="Write a synthetic MoE GGUF (qwen3moe, qwen35moe or qwen4exp) with real shapes, the real qwen2 "
+        description="Write a synthetic MoE GGUF (qwen3moe, qwen35moe, qwen4exp or gpt-oss) with real shapes, the real qwen2 "
                     "tokenizer and random weights whose expert routing follows token identity; or, with --stats, "
                     "report the routing "
                     "statistics of real text through a model.",

@@ -41,7 +41,12 @@ from ..gguf import GGMLType, ValueType
 from .model import (OUTPUT_LOGIT_STD, RESIDUAL_DRIFT, SWIGLU_STD, Preset, SynthError, TensorSpec, general_kvs,
                     shape_kvs, synth_kvs)
 
-ARCHS = ("qwen35moe", "qwen4exp")
+ARCHS = ("qwen35moe", "qwen4exp", "gpt-oss")
+HYBRID = ("qwen35moe", "qwen4exp")  # the gated-delta-net hybrids
+
+# gpt-oss's expert biases: N(0, std) (its released files have them; zero would leave their path untried).
+# gate and up read norm(h) projections of ~N(0, 1); down's bias is a residual update, scaled as its weights
+GPT_OSS_BIAS_STD = 0.1
 
 # the end-of-text id of each tokenizer: the PLE hash restarts its n-gram window after it
 TOKENIZER_EOS = {"qwen2": 151643}
@@ -60,6 +65,10 @@ def check(p: Preset) -> None:
             raise SynthError(f"preset {p.name} ({p.arch}): {what}")
 
     need(p.arch in ARCHS, f"unknown architecture (synth writes qwen3moe, {', '.join(ARCHS)})")
+    if p.arch == "gpt-oss":
+        need(p.sliding_window > 0, "sliding_window must be > 0 (gpt-oss alternates sliding-window and full layers)")
+        need(p.n_head % p.n_head_kv == 0, "n_head must be a multiple of n_head_kv")
+        return
     need(p.n_ff_shexp > 0, "n_ff_shexp (the shared expert's FFN length) must be > 0")
     need(p.full_attention_interval > 0 and p.n_layer >= p.full_attention_interval,
          "full_attention_interval must be in 1..n_layer, so that there is a full-attention layer")
@@ -139,8 +148,54 @@ def _mm_type(wt: GGMLType, ne0: int) -> GGMLType:
     return wt if ne0 % gguf.BLOCK_SIZES[wt][0] == 0 else GGMLType.F32
 
 
+def plan_gpt_oss(p: Preset, wt: GGMLType) -> list[TensorSpec]:
+    """The tensors of a gpt-oss model, in file order: pre-norm attention with biases and per-head sinks,
+    sliding-window on every other layer (the KVs say so), then a routed MoE whose experts have biases (the
+    router reads post_attention_norm(h), ones, so routing follows the tokens as in qwen3moe)."""
+    check(p)
+    f32 = GGMLType.F32
+    n_e, eps = p.n_embd, residual_eps(p)
+    in_std = 1.0 / math.sqrt(n_e)
+    n_q, n_kv = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+
+    def t(name, shape, init="random", std=0.0, layer=-1, type_=None):
+        return TensorSpec(name, tuple(shape), _mm_type(wt, shape[0]) if type_ is None else type_, init, std, layer)
+
+    specs = [t("token_embd.weight", (n_e, p.n_vocab), "embed", type_=wt),
+             t("output_norm.weight", (n_e,), "ones", type_=f32),
+             t("output.weight", (n_e, p.n_vocab), std=OUTPUT_LOGIT_STD / math.sqrt(n_e), type_=wt)]
+    for i in range(p.n_layer):
+        b = f"blk.{i}."
+        specs += [
+            t(b + "attn_norm.weight", (n_e,), "ones", layer=i, type_=f32),
+            t(b + "post_attention_norm.weight", (n_e,), "ones", layer=i, type_=f32),
+            t(b + "attn_q.weight", (n_e, n_q), std=in_std, layer=i),
+            t(b + "attn_q.bias", (n_q,), "fill", 0.0, i, f32),
+            t(b + "attn_k.weight", (n_e, n_kv), std=in_std, layer=i),
+            t(b + "attn_k.bias", (n_kv,), "fill", 0.0, i, f32),
+            t(b + "attn_v.weight", (n_e, n_kv), std=in_std, layer=i),
+            t(b + "attn_v.bias", (n_kv,), "fill", 0.0, i, f32),
+            t(b + "attn_output.weight", (n_q, n_e), std=eps / math.sqrt(n_q), layer=i),
+            t(b + "attn_output.bias", (n_e,), "fill", 0.0, i, f32),
+            t(b + "attn_sinks.weight", (p.n_head,), "fill", 0.0, i, f32),
+            t(b + "ffn_gate_inp.weight", (n_e, p.n_expert), "router", layer=i, type_=f32),
+            t(b + "ffn_gate_inp.bias", (p.n_expert,), "fill", 0.0, i, f32),
+            t(b + "ffn_gate_exps.weight", (n_e, p.n_ff_exp, p.n_expert), std=in_std, layer=i, type_=wt),
+            t(b + "ffn_gate_exps.bias", (p.n_ff_exp, p.n_expert), std=GPT_OSS_BIAS_STD, layer=i, type_=f32),
+            t(b + "ffn_up_exps.weight", (n_e, p.n_ff_exp, p.n_expert), std=in_std, layer=i, type_=wt),
+            t(b + "ffn_up_exps.bias", (p.n_ff_exp, p.n_expert), std=GPT_OSS_BIAS_STD, layer=i, type_=f32),
+            t(b + "ffn_down_exps.weight", (p.n_ff_exp, n_e, p.n_expert),
+              std=eps / (SWIGLU_STD * math.sqrt(p.n_ff_exp)), layer=i, type_=wt),
+            t(b + "ffn_down_exps.bias", (n_e, p.n_expert), std=eps * GPT_OSS_BIAS_STD, layer=i, type_=f32),
+        ]
+    return specs
+
+
 def plan_tensors(p: Preset, wt: GGMLType) -> list[TensorSpec]:
-    """The tensors of a qwen35moe / qwen4exp model, in file order (see the module docstring for the scales)."""
+    """The tensors of a qwen35moe / qwen4exp / gpt-oss model, in file order (see the module docstring for the
+    scales)."""
+    if p.arch == "gpt-oss":
+        return plan_gpt_oss(p, wt)
     check(p)
     f32 = GGMLType.F32
     n_e, eps = p.n_embd, residual_eps(p)
@@ -245,10 +300,15 @@ def plan_tensors(p: Preset, wt: GGMLType) -> list[TensorSpec]:
 
 
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
-    """The model KVs (everything but the tokenizer) of a qwen35moe / qwen4exp model, in file order."""
+    """The model KVs (everything but the tokenizer) of a qwen35moe / qwen4exp / gpt-oss model, in file order."""
     check(p)
     U32, ARR = ValueType.UINT32, ValueType.ARRAY
     a = p.arch
+    if a == "gpt-oss":
+        # every other layer attends within the window (the loader's pattern of 2: the last of each pair is full)
+        return general_kvs(p, file_type) + shape_kvs(p) + [
+            (f"{a}.attention.sliding_window", p.sliding_window, U32),
+        ] + synth_kvs(p, seed, routing_strength)
 
     def u32s(v):
         return np.asarray(v, dtype=np.uint32)

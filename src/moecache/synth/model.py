@@ -58,6 +58,7 @@ class Preset:
     ple_conv_kernel: int = 0
     ple_head_vocab: int = 0
     ple_layer: int = 0
+    sliding_window: int = 0  # gpt-oss: the window of its sliding-window layers
 
     @property
     def n_clusters(self) -> int:
@@ -134,6 +135,20 @@ PRESETS: dict[str, Preset] = {
         hc_count=4, hc_low_rank=128, indexer_n_head=16, indexer_head_dim=128, indexer_top_k=2048, compress_ratio=4,
         ple_ngram_size=3, ple_heads_per_ngram=8, ple_conv_kernel=4, ple_head_vocab=25_000_000, ple_layer=0),
 }
+PRESETS["tiny-gpt-oss"] = Preset(
+    name="tiny-gpt-oss", arch="gpt-oss",
+    description="for tests: gpt-oss, 4 layers (sliding-window and full attention in turn), d_model 64, 16 experts "
+                "(top-4) with biases, attention sinks; ~22 MB at q8_0",
+    n_layer=4, n_embd=64, n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=64, n_head=4, n_head_kv=2,
+    head_dim=64, n_ctx_train=4096, rope_freq_base=150_000.0, rms_eps=1e-5, sliding_window=128)
+PRESETS["gpt-oss-120b"] = Preset(
+    name="gpt-oss-120b", arch="gpt-oss",
+    description="gpt-oss-120b's shapes: 36 layers (sliding window 128 and full attention in turn), d_model 2880, "
+                "128 experts (top-4) with biases, expert FFN 2880, 64 heads of 64 (8 KV), attention sinks; the qwen2 "
+                "tokenizer (its o200k vocab is not in the pinned tree), no YaRN; MXFP4 experts with --quant mxfp4_moe; "
+                "~61 GiB at q8_0, ~60 GiB of experts",
+    n_layer=36, n_embd=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff=2880, n_head=64, n_head_kv=8,
+    head_dim=64, n_ctx_train=131072, rope_freq_base=150_000.0, rms_eps=1e-5, sliding_window=128)
 # tiny-qwen4exp's QSA layer is its last, so only the last prompt token's QSA output reaches the logits;
 # with a second QSA layer, every prompt token's first-QSA output reaches a later layer's cache
 PRESETS["tiny-qwen4exp-8l"] = replace(
@@ -180,11 +195,13 @@ DIRECT_QUANTS: dict[str, tuple[GGMLType, int]] = {
     "q4_0": (GGMLType.Q4_0, 2),
     "f16": (GGMLType.F16, 1),
     "f32": (GGMLType.F32, 0),
+    "mxfp4_moe": (GGMLType.Q8_0, 38),  # the routed experts in MXFP4 (as gpt-oss ships them; EXPERT_QUANTS), the rest Q8_0
 }
+# direct quants whose routed experts have a type of their own
+EXPERT_QUANTS: dict[str, GGMLType] = {"mxfp4_moe": GGMLType.MXFP4}
 # quant types made by the built llama-quantize from an F16 / Q8_0 file (no importance matrix needed)
 QUANTIZE_QUANTS = ("q4_1", "q5_0", "q5_1", "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m",
-                   "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs",
-                   "mxfp4_moe")  # the routed experts in MXFP4 (as gpt-oss ships them), the rest Q8_0
+                   "q5_k_s", "q5_k_m", "q6_k", "iq4_nl", "iq4_xs")
 
 
 ALL_QUANTS = tuple(DIRECT_QUANTS) + QUANTIZE_QUANTS
