@@ -181,6 +181,11 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
                 l.reason = "no routed experts";
                 continue;
             }
+            if (il >= (size_t) hparams.n_layer()) {
+                // its graph is the MTP draft's, in a context of its own: slots here would never serve
+                l.reason = "an MTP (nextn) block: it runs in the draft's context";
+                continue;
+            }
             if (ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b) {
                 l.bias_src[0] = ml.ffn_up_exps_b;
                 l.bias_src[1] = ml.ffn_gate_exps_b;

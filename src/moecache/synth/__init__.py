@@ -230,6 +230,8 @@ def _chunk_jobs(p: Preset, st: Structure, spec: TensorSpec, index: int, seed: in
     """Callables that produce a tensor's bytes in order, each one deterministic on its own."""
     if spec.init == "fill":  # a constant of any shape (archs.py)
         return _arch_module(p).fill_chunks(spec)
+    if spec.init == "eh_identity":  # the MTP block's projection (archs.py)
+        return _arch_module(p).eh_identity_chunks(spec)
     if spec.init == "ones":
         return [lambda: np.ones(spec.shape[0], dtype="<f4").view(np.uint8)]
     if spec.init == "zeros":

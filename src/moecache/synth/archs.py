@@ -65,6 +65,8 @@ def check(p: Preset) -> None:
             raise SynthError(f"preset {p.name} ({p.arch}): {what}")
 
     need(p.arch in ARCHS, f"unknown architecture (synth writes qwen3moe, {', '.join(ARCHS)})")
+    need(p.n_nextn in (0, 1) and (p.n_nextn == 0 or p.arch == "qwen35moe"),
+         "an MTP block (n_nextn = 1) is written for qwen35moe only (the pin runs one block)")
     if p.arch == "gpt-oss":
         need(p.sliding_window > 0, "sliding_window must be > 0 (gpt-oss alternates sliding-window and full layers)")
         need(p.n_head % p.n_head_kv == 0, "n_head must be a multiple of n_head_kv")
@@ -296,7 +298,61 @@ def plan_tensors(p: Preset, wt: GGMLType) -> list[TensorSpec]:
               layer=i),
         ]
         specs += layer
+    if p.n_nextn:
+        specs += plan_mtp_block(p, wt)
     return specs
+
+
+def plan_mtp_block(p: Preset, wt: GGMLType) -> list[TensorSpec]:
+    """qwen35moe's MTP block (layer n_layer): a full-attention decoder block with the MoE and a shared expert,
+    and the nextn tensors. eh_proj maps concat(enorm(embedding of the next token), hnorm(h)) to n_embd: its
+    identity on the embedding half and zeros on h's, so the block sees norm(embedding) as the main layers do;
+    its updates are small and its head is the model's (output_norm, output): its draft is the main model's
+    prediction from that token, which the main model then mostly confirms."""
+    f32 = GGMLType.F32
+    n_e, eps = p.n_embd, residual_eps(p)
+    in_std = 1.0 / math.sqrt(n_e)
+    n_q, n_kv = p.n_head * p.head_dim, p.n_head_kv * p.head_dim
+    i, last = p.n_layer, p.n_layer - 1  # the router of the last main layer: the structure has no row for i
+    b = f"blk.{i}."
+
+    def t(name, shape, init="random", std=0.0, layer=i, type_=None):
+        return TensorSpec(name, tuple(shape), _mm_type(wt, shape[0]) if type_ is None else type_, init, std, layer)
+
+    return [
+        t(b + "attn_norm.weight", (n_e,), "ones", type_=f32),
+        t(b + "post_attention_norm.weight", (n_e,), "ones", type_=f32),
+        t(b + "attn_q.weight", (n_e, 2 * n_q), std=in_std),
+        t(b + "attn_k.weight", (n_e, n_kv), std=in_std),
+        t(b + "attn_v.weight", (n_e, n_kv), std=in_std),
+        t(b + "attn_output.weight", (n_q, n_e), std=eps / math.sqrt(n_q)),
+        t(b + "attn_q_norm.weight", (p.head_dim,), "ones", type_=f32),
+        t(b + "attn_k_norm.weight", (p.head_dim,), "ones", type_=f32),
+        t(b + "ffn_gate_inp.weight", (n_e, p.n_expert), "router", layer=last, type_=f32),
+        t(b + "ffn_gate_exps.weight", (n_e, p.n_ff_exp, p.n_expert), std=in_std, type_=wt),
+        t(b + "ffn_up_exps.weight", (n_e, p.n_ff_exp, p.n_expert), std=in_std, type_=wt),
+        t(b + "ffn_down_exps.weight", (p.n_ff_exp, n_e, p.n_expert), std=eps / (SWIGLU_STD * math.sqrt(p.n_ff_exp)),
+          type_=wt),
+        t(b + "ffn_gate_inp_shexp.weight", (n_e,), std=in_std, type_=f32),
+        t(b + "ffn_gate_shexp.weight", (n_e, p.n_ff_shexp), std=in_std),
+        t(b + "ffn_up_shexp.weight", (n_e, p.n_ff_shexp), std=in_std),
+        t(b + "ffn_down_shexp.weight", (p.n_ff_shexp, n_e), std=eps / (SWIGLU_STD * math.sqrt(p.n_ff_shexp))),
+        t(b + "nextn.eh_proj.weight", (2 * n_e, n_e), "eh_identity"),
+        t(b + "nextn.enorm.weight", (n_e,), "ones", type_=f32),
+        t(b + "nextn.hnorm.weight", (n_e,), "ones", type_=f32),
+    ]
+
+
+def eh_identity_chunks(spec: TensorSpec) -> list:
+    """The bytes of eh_proj (ggml {2 n_embd, n_embd}): row j is 1 at column j, 0 elsewhere."""
+    n_in, n_out = spec.shape
+
+    def rows():
+        x = np.zeros((n_out, n_in), dtype=np.float32)
+        x[np.arange(n_out), np.arange(n_out)] = 1.0
+        return gguf.quantize(x, spec.type)
+
+    return [rows]
 
 
 def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> list[tuple[str, object, ValueType]]:
@@ -314,6 +370,7 @@ def plan_kvs(p: Preset, file_type: int, seed: int, routing_strength: float) -> l
         return np.asarray(v, dtype=np.uint32)
 
     kvs = general_kvs(p, file_type) + shape_kvs(p) + [
+        *([(f"{a}.nextn_predict_layers", p.n_nextn, U32)] if p.n_nextn else []),
         (f"{a}.rope.dimension_count", rope_dims(p), U32),
         (f"{a}.rope.dimension_sections", np.asarray(p.rope_sections, dtype=np.int32), ARR),
         (f"{a}.full_attention_interval", p.full_attention_interval, U32),

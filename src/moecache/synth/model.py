@@ -59,6 +59,7 @@ class Preset:
     ple_head_vocab: int = 0
     ple_layer: int = 0
     sliding_window: int = 0  # gpt-oss: the window of its sliding-window layers
+    n_nextn: int = 0  # qwen35moe: MTP (nextn) blocks after the n_layer main layers (the pin runs one)
 
     @property
     def n_clusters(self) -> int:
@@ -149,6 +150,18 @@ PRESETS["gpt-oss-120b"] = Preset(
                 "~61 GiB at q8_0, ~60 GiB of experts",
     n_layer=36, n_embd=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff=2880, n_head=64, n_head_kv=8,
     head_dim=64, n_ctx_train=131072, rope_freq_base=150_000.0, rms_eps=1e-5, sliding_window=128)
+# an MTP block (one full-attention decoder block with the MoE, and the nextn projection) after the main
+# layers: its eh_proj passes the next token's normed embedding through, so its draft is the token the main
+# model predicts from that embedding (the residual updates are small), and a fair share of drafts is accepted
+PRESETS["tiny-qwen35moe-mtp"] = replace(
+    PRESETS["tiny-qwen35moe"], name="tiny-qwen35moe-mtp",
+    description="for tests: tiny-qwen35moe with an MTP block (for --spec-type draft-mtp); ~24 MB at q8_0",
+    n_nextn=1)
+PRESETS["qwen3.5-122b-a10b-mtp"] = replace(
+    PRESETS["qwen3.5-122b-a10b"], name="qwen3.5-122b-a10b-mtp",
+    description="qwen3.5-122b-a10b (see there) with its MTP block (one full-attention decoder block with 256 "
+                "experts and the nextn projection) for --spec-type draft-mtp; ~66 GiB at q4_0",
+    n_nextn=1)
 # tiny-qwen4exp's QSA layer is its last, so only the last prompt token's QSA output reaches the logits;
 # with a second QSA layer, every prompt token's first-QSA output reaches a later layer's cache
 PRESETS["tiny-qwen4exp-8l"] = replace(
@@ -270,7 +283,7 @@ def shape_kvs(p: Preset) -> list[tuple[str, object, ValueType]]:
     U32, F32, a = ValueType.UINT32, ValueType.FLOAT32, p.arch
     shared = [(f"{a}.expert_shared_feed_forward_length", p.n_ff_shexp, U32)] if p.n_ff_shexp else []
     return [
-        (f"{a}.block_count", p.n_layer, U32),
+        (f"{a}.block_count", p.n_layer + p.n_nextn, U32),  # the MTP blocks are blocks too
         (f"{a}.context_length", p.n_ctx_train, U32),
         (f"{a}.embedding_length", p.n_embd, U32),
         (f"{a}.feed_forward_length", p.n_ff, U32),
