@@ -162,6 +162,12 @@ PRESETS["qwen3.5-122b-a10b-mtp"] = replace(
     description="qwen3.5-122b-a10b (see there) with its MTP block (one full-attention decoder block with 256 "
                 "experts and the nextn projection) for --spec-type draft-mtp; ~66 GiB at q4_0",
     n_nextn=1)
+# the MTP scenario's model on one GPU machine's 64 GiB disk: the 122B shapes in half the layers
+PRESETS["qwen3.5-122b-a10b-mtp-24l"] = replace(
+    PRESETS["qwen3.5-122b-a10b-mtp"], name="qwen3.5-122b-a10b-mtp-24l",
+    description="qwen3.5-122b-a10b-mtp's shapes cut to 24 layers (18 gated-delta-net, 6 gated attention) and its "
+                "MTP block: for the MTP benchmark on one GPU machine's disk; ~34 GiB at q4_0",
+    n_layer=24)
 # tiny-qwen4exp's QSA layer is its last, so only the last prompt token's QSA output reaches the logits;
 # with a second QSA layer, every prompt token's first-QSA output reaches a later layer's cache
 PRESETS["tiny-qwen4exp-8l"] = replace(
