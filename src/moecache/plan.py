@@ -63,6 +63,7 @@ class Request:
     # command line --plan auto completes)
     bandwidth: "Bandwidth | None" = None  # for the rate bounds; None: none printed
     trace: Path | None = None  # a routing trace of the user's traffic: the hit rate at the planned slots
+    profile: Path | None = None  # the cache's expert profile of earlier runs: the hit rate where no trace is given
 
     def check(self) -> None:
         for name in ("ctx", "users", "ubatch"):
@@ -312,6 +313,30 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
 
 
+def profile_hit_rate(path: Path, slots: int, n_expert: int) -> float | None:
+    """The share of the routings in a hot-expert cache profile (moecache-expert-profile 1: a line of counts per
+    layer) that each layer's `slots` most-routed experts took, over all layers: what slots holding the hot set
+    serve on that traffic. None for a missing, damaged or other-shaped file, or one without counts yet."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(lines) < 3 or lines[0] != "moecache-expert-profile 1" or lines[-1] != "end":
+        return None
+    hit = total = 0
+    for line in lines[2:-1]:
+        words = line.split()
+        if len(words) != 2 + n_expert or words[0] != "layer":
+            return None
+        try:
+            counts = sorted((int(w) for w in words[2:]), reverse=True)
+        except ValueError:
+            return None
+        hit += sum(counts[:slots])
+        total += sum(counts)
+    return hit / total if total > 0 else None
+
+
 @dataclass
 class Plan:
     request: Request
@@ -341,6 +366,10 @@ class Plan:
                 r = simulate(load_trace(self.request.trace), self.slots)
                 self._replayed = (key, float(r["hit_rate"]))
             return self._replayed[1], f"replayed {self.request.trace}"
+        if self.request.profile is not None:
+            h = profile_hit_rate(self.request.profile, self.slots, self.n_expert)
+            if h is not None:
+                return h, f"the expert profile of earlier runs (the top-{self.slots} share per layer)"
         return min(1.0, self.slots / max(1, self.n_expert)), "uniform routing (a floor)"
 
     def rates(self) -> Rates | None:
@@ -400,7 +429,9 @@ class Plan:
                     "the whole model fits the budget")
         what = [f"routed experts in host memory ({size_text(self.host_model)})"]
         if self.slots:
-            what.append(f"hot-expert cache of {self.slots} of {self.n_expert} experts per layer in VRAM")
+            h, source = self.hit_rate()
+            seen = f" (expected hits {100 * h:.0f}%, from {source})" if source.startswith("the expert profile") else ""
+            what.append(f"hot-expert cache of {self.slots} of {self.n_expert} experts per layer in VRAM{seen}")
         else:
             what.append("no hot-expert cache (no room for a slot)")
         if self.slots:

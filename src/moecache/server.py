@@ -304,8 +304,12 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
         n_expert = moe_expert_count(model)
         if not n_expert:
             return []  # a dense model (or an unreadable file): llama-server's placement, nothing to say
+    from .paths import profile_path
+
     try:
-        plan = make_plan(plan_request_from_args(model, rest, environ, gpu_mem), environ=environ)
+        req = plan_request_from_args(model, rest, environ, gpu_mem)
+        req.profile = Path(profile) if profile is not None else profile_path(model)  # earlier runs' routing
+        plan = make_plan(req, environ=environ)
         if not plan.all_in_vram:
             add_bandwidth(plan, bandwidth if bandwidth is not None else environ.get("LLAMA_ARG_PLAN_BANDWIDTH"))
     except (PlanError, FileNotFoundError, ValueError) as e:
@@ -321,9 +325,7 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
     args = plan.args()
     if plan.slots:
         # the server keeps the cache's expert profile across restarts: it starts warm at once
-        from .paths import profile_path
-
-        where = Path(profile) if profile is not None else profile_path(model)
+        where = req.profile
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
             args += ["--moe-cache-profile", str(where)]

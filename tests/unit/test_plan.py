@@ -405,3 +405,33 @@ def test_a_bad_plan_bandwidth_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_PLAN_BANDWIDTH", "host=fast")
     assert server.main(["-m", str(model)]) == 2
     assert "--plan-bandwidth" in capsys.readouterr().err
+
+
+def test_the_hit_rate_comes_from_the_expert_profile_of_earlier_runs(fake_probe, tmp_path, monkeypatch, capsys):
+    """Where the cache's profile of earlier runs exists, the plan's expected hit rate is the share of its
+    routings that each layer's slots most-routed experts took (the summary says so); a damaged or other-shaped
+    profile leaves the uniform floor."""
+    model = fake_probe(answer())
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False))
+    n_exp, slots = p.n_expert, p.slots
+    counts = [100] * slots + [1] * (n_exp - slots)  # the hot set takes almost everything
+    prof = tmp_path / "m.profile"
+    prof.write_text("moecache-expert-profile 1\nmodel x\n" +
+                    "".join(f"layer {i} " + " ".join(map(str, counts)) + "\n" for i in range(3)) + "end\n")
+    want = 100 * slots / (100 * slots + n_exp - slots)
+    assert planmod.profile_hit_rate(prof, slots, n_exp) == pytest.approx(want)
+    p.request.profile = prof
+    h, source = p.hit_rate()
+    assert h == pytest.approx(want) and source.startswith("the expert profile")
+    assert f"expected hits {100 * want:.0f}%" in p.summary()[0]
+    for bad in ("garbage\n", "moecache-expert-profile 1\nmodel x\nlayer 0 1 2\nend\n",
+                "moecache-expert-profile 1\nmodel x\n" + "layer 0 " + " ".join(["0"] * n_exp) + "\nend\n"):
+        prof.write_text(bad)
+        assert p.hit_rate() == (min(1.0, slots / n_exp), "uniform routing (a floor)")
+    # moecache-server's default plan reads the profile it keeps for the model
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: n_exp)
+    prof.write_text("moecache-expert-profile 1\nmodel x\n" + "layer 0 " + " ".join(map(str, counts)) + "\nend\n")
+    lines = []
+    server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False, profile=prof,
+                        lines=lines, bandwidth="none")
+    assert "expected hits" in lines[0], lines
