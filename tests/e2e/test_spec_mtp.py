@@ -4,7 +4,8 @@ projection passes the next token's embedding through, so its drafts are mostly w
 the accepted path runs, not only rejections. Greedy speculation must give the tokens of plain decoding, with
 the cache (its verify batches of a few tokens go through it; the MTP block, which runs in the draft's own
 context, is not cached and says why), with the n-gram drafter beside it, and after a prompt the swap ran (the
-verify batches are far below the swap's minimum: it runs once, for the prompt)."""
+verify batches are far below the swap's minimum: it runs once, for the prompt). /slots counts each drafter's
+drafted and accepted tokens apart."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def generate(model, args, prompt=PROMPT, n_predict=48):
                                                "cache_prompt": False, "return_tokens": True}, timeout=300)
         assert status == 200, out
         st = cache_stats(srv) if "--moe-cache-slots" in args else None
+        if "--spec-type" in args:
+            status, slots = srv.get("/slots")
+            assert status == 200, slots
+            out["by_type"] = slots[0]["speculative_stats"]["by_type"]
         return out, st, srv.log_text()
 
 
@@ -72,6 +77,12 @@ def test_mtp_and_ngram_drafts_together_through_the_cache(mtp_model, plain):
     out, st, _ = generate(mtp_model, ["--spec-type", "draft-mtp,ngram-map-k4v", "--spec-draft-n-max", "3", *CACHE])
     assert out["tokens"] == plain and out["timings"]["draft_n"] > 0
     assert st["total"]["batches_cached"] > 0
+    # /slots counts each drafter's drafts apart; together they are the request's
+    by_type = {x["type"]: x for x in out["by_type"]}
+    assert set(by_type) == {"draft-mtp", "ngram-map-k4v"}, out["by_type"]
+    assert by_type["draft-mtp"]["draft_n_accepted"] > 0
+    assert sum(x["draft_n"] for x in by_type.values()) == out["timings"]["draft_n"]
+    assert sum(x["draft_n_accepted"] for x in by_type.values()) == out["timings"]["draft_n_accepted"]
 
 
 def test_a_swapped_prompt_then_mtp_decoding(mtp_model):
