@@ -100,11 +100,11 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--plan-gpu-mem", metavar="GIB[,GIB...]", default=None,
                    help="with --plan auto: the budget of each GPU in GiB (default: what each has free at start) "
                         "(env: LLAMA_ARG_PLAN_GPU_MEM)")
-    p.add_argument("--plan-bandwidth", metavar="auto|none|host=GB/s,device=GB/s,h2d=GB/s", default=None,
+    p.add_argument("--plan-bandwidth", metavar="SPEC", default=None,
                    help="the bandwidths the plan chooses where the cache's misses run from (the CPU reading host "
                         "memory against the GPU reading it over the link): auto (default) measures them at start "
-                        "when the plan has a cache (a few seconds), none leaves the misses on the CPU "
-                        "(env: LLAMA_ARG_PLAN_BANDWIDTH)")
+                        "when the plan has a cache (a few seconds), none leaves the misses on the CPU, "
+                        "host=GB/s,device=GB/s,h2d=GB/s gives them (env: LLAMA_ARG_PLAN_BANDWIDTH)")
     return p
 
 
