@@ -58,6 +58,11 @@ env = { FAKE_SLOWDOWN = "2" }
 # --------------------------------------------------------------------------- scenarios
 
 
+def test_every_shipped_scenario_parses():
+    for path in sorted(SCENARIOS.glob("*.toml")):
+        load_scenario(path)  # a ScenarioError names the file and the problem
+
+
 def test_shipped_scenarios_parse():
     smoke = load_scenario(SCENARIOS / "smoke.toml")
     assert smoke.model.synth == "tiny"
@@ -100,6 +105,11 @@ def test_good_scenario(tmp_path):
     (lambda s: s.replace('model = "../model.gguf"', 'model = { synth = "tiny", quant = "q4_0", sed = 1 }'),
      "unknown key 'sed' in model"),
     (lambda s: s.replace('[16, 32]', '[16, "x"]'), "lengths must be an integer"),
+    (lambda s: s.replace('name = "small"', 'name = "small"\nlauncher = "moecache"'), "launcher must be one of"),
+    (lambda s: s.replace('name = "small"', 'name = "small"\nlauncher = "moecache-server"\nplan = true'),
+     "keep one of them"),
+    (lambda s: s.replace('lengths = [16, 32]', 'lengths = [16, 32]\ndepths = [64]')
+              .replace('name = "small"', 'name = "small"\nrestart = true'), "must have no depth"),
 ])
 def test_bad_scenarios_give_clear_errors(tmp_path, edit, message):
     path = write_scenario(tmp_path, edit(GOOD))

@@ -446,6 +446,10 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         if arms[-1].launcher not in LAUNCHERS:
             raise ScenarioError(_where(path, f"{ctx}.launcher must be one of {', '.join(map(repr, LAUNCHERS))}, got "
                                              f"{arms[-1].launcher!r}"))
+        if arms[-1].restart and data.get("prompts") and any((ps.get("depths") or [0])[0] for ps in data["prompts"][:1]
+                                                            if isinstance(ps, dict)):
+            raise ScenarioError(_where(path, f"{ctx}.restart asks the scenario's first case again after a restart, "
+                                             f"which must have no depth. Fix: put a prompt set without depths first."))
         if arms[-1].launcher == "moecache-server" and arms[-1].plan:
             raise ScenarioError(_where(path, f"{ctx}: launcher = \"moecache-server\" plans as moecache-server does "
                                              f"by default; plan = true is `--plan auto`. Fix: keep one of them."))
