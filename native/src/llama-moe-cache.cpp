@@ -186,12 +186,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
                 l.reason = "an MTP (nextn) block: it runs in the draft's context";
                 continue;
             }
-            if (ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b) {
-                l.bias_src[0] = ml.ffn_up_exps_b;
-                l.bias_src[1] = ml.ffn_gate_exps_b;
-                l.bias_src[2] = ml.ffn_down_exps_b;
-                l.bias_src[3] = ml.ffn_gate_up_exps_b;
-            }
+            l.bias_src[0] = ml.ffn_up_exps_b; // null where the experts have none (l.biased())
+            l.bias_src[1] = ml.ffn_gate_exps_b;
+            l.bias_src[2] = ml.ffn_down_exps_b;
+            l.bias_src[3] = ml.ffn_gate_up_exps_b;
             l.src[0] = first;
             l.src[1] = ml.ffn_gate_up_exps ? nullptr : ml.ffn_gate_exps;
             l.src[2] = ml.ffn_down_exps;

@@ -208,17 +208,14 @@ def embedding_rows(p: Preset, st: Structure, seed: int, r0: int, r1: int) -> np.
 
 def _random_raw_blocks(rng: np.random.Generator, n_blocks: int, wt: GGMLType, std: float) -> np.ndarray:
     """Like gguf.random_blocks, but with the generator's raw 64-bit output (several times faster)."""
-    if wt == GGMLType.MXFP4:
-        bsize = gguf.BLOCK_SIZES[wt][1]
-        nbytes = n_blocks * bsize
-        raw = rng.bit_generator.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes].reshape(n_blocks, bsize)
-        raw[:, 0] = gguf.mxfp4_scale_byte(std)
-        return raw
-    if wt not in (GGMLType.Q8_0, GGMLType.Q4_0):
+    if wt not in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.MXFP4):
         return gguf.random_blocks(rng, n_blocks, wt, std)
     bsize = gguf.BLOCK_SIZES[wt][1]
     nbytes = n_blocks * bsize
     raw = rng.bit_generator.random_raw((nbytes + 7) // 8).view(np.uint8)[:nbytes].reshape(n_blocks, bsize)
+    if wt == GGMLType.MXFP4:  # uniform nibbles are already symmetric: only the E8M0 scale byte
+        raw[:, 0] = gguf.mxfp4_scale_byte(std)
+        return raw
     gguf.zero_mean_quants(raw, wt)
     unit = gguf.Q8_0_RANDOM_STD if wt == GGMLType.Q8_0 else gguf.Q4_0_RANDOM_STD
     raw[:, 0:2] = np.frombuffer(np.float16(std / unit).tobytes(), dtype=np.uint8)
