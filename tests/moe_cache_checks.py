@@ -141,6 +141,26 @@ def max_logprob_diff(a, b):
     return d
 
 
+def assert_close_tokens(ref_tokens, ref_steps, tokens, steps=None, bound=5e-2, near_tie=0.1):
+    """Another device's rounding against a reference: the same tokens up to a step where the reference's two
+    most likely tokens were within `near_tie` (log-probability) of each other, which rounding may break the other
+    way (the comparison ends there, the other token being one of those); before it, the chosen
+    token's log-probability within `bound` where `steps` are given. Steps: per token, [(id, logprob), ...] best
+    first (logprobs() of a completion, Generation.top_logprobs). Returns the steps compared."""
+    assert len(ref_steps) >= len(ref_tokens), (len(ref_steps), len(ref_tokens))
+    for i, (a, b) in enumerate(zip(ref_tokens, tokens)):
+        ra = ref_steps[i]
+        if a != b:
+            tied = [t for t, lp in ra[1:] if ra[0][1] - lp < near_tie]
+            assert b in tied, (f"step {i}: token {b} instead of {a}, which the reference did not have within "
+                               f"{near_tie} of its best ({ra}): more than rounding")
+            return i
+        if steps is not None:
+            assert abs(ra[0][1] - steps[i][0][1]) < bound, f"step {i}: log-probability {steps[i][0]} against {ra[0]}"
+    assert len(tokens) == len(ref_tokens), f"{len(tokens)} tokens against the reference's {len(ref_tokens)}"
+    return len(ref_tokens)
+
+
 def cache_stats(srv):
     status, body = srv.get("/moe-cache")
     assert status == 200, body

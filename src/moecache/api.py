@@ -223,6 +223,9 @@ class Generation:
     prompt_tokens: int
     finish_reason: str
     timings: dict = field(default_factory=dict)
+    # with generate(top_logprobs=N): before each generated token, the N most likely tokens as (id, log-probability)
+    # of the model's own distribution (before top-k/top-p/temperature), best first; empty otherwise
+    top_logprobs: list = field(default_factory=list)
 
 
 class Model:
@@ -540,12 +543,15 @@ class Context:
         return tokens
 
     def generate(self, prompt, max_tokens: int = 128, temperature: float = 0.0, seed: int | None = 0,
-                 top_k: int = 40, top_p: float = 0.95, stop: str | Sequence[str] | None = None) -> Generation:
+                 top_k: int = 40, top_p: float = 0.95, stop: str | Sequence[str] | None = None,
+                 top_logprobs: int = 0) -> Generation:
         """Generate from a cleared KV cache. `prompt` is a str (tokenized as llama-server's
         /completion does) or a list of token ids. temperature 0 is greedy (top_k, top_p and seed do
         not matter then); otherwise top_k -> top_p -> temperature -> a random draw seeded by `seed`
         (None = a random seed). Stops at an end-of-generation token, a stop string (cut from the
-        text), max_tokens, or a full context."""
+        text), max_tokens, or a full context. `top_logprobs` N > 0: Generation.top_logprobs holds the N most
+        likely tokens and their log-probabilities before each generated token (a pass over the vocabulary per
+        token: leave it 0 when timing)."""
         tokens = self._prompt_tokens(prompt)
         max_tokens = _check_int("max_tokens", max_tokens, minimum=0, what=" >= 0")
         temperature = _check_float("temperature", temperature, " >= 0 (0 = greedy)")
@@ -555,6 +561,7 @@ class Context:
         top_p = _check_float("top_p", top_p, " in (0, 1]")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1] (got {top_p})")
+        top_logprobs = _check_int("top_logprobs", top_logprobs, minimum=0, what=" >= 0 (0 = none)")
         if seed is None:
             seed = int.from_bytes(os.urandom(4), "little")
         seed = _check_int("seed", seed, minimum=0, maximum=2**32 - 1, what=" in [0, 2**32) or None")
@@ -571,7 +578,7 @@ class Context:
             raise ValueError(f"the prompt has {len(tokens)} tokens, the context holds {self.n_ctx}: "
                              "make a context with a larger n_ctx")
         r = self._c.generate(tokens, max_tokens=max_tokens, temperature=temperature, seed=seed, top_k=top_k,
-                             top_p=top_p, stop=[s.encode("utf-8") for s in stops])
+                             top_p=top_p, stop=[s.encode("utf-8") for s in stops], n_probs=top_logprobs)
         prefill_s, decode_s = r["prefill_s"], r["decode_s"]
         timings = {
             "prefill_tokens": r["prefill_tokens"],
@@ -589,6 +596,8 @@ class Context:
             prompt_tokens=len(tokens),
             finish_reason=r["finish_reason"],
             timings=timings,
+            # one entry per generated token (the native side also has the step that sampled the end token)
+            top_logprobs=[[(int(t), float(lp)) for t, lp in step] for step in r["top_logprobs"][:len(r["tokens"])]],
         )
 
     def trace_routing(self, tokens):

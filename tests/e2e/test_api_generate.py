@@ -89,6 +89,23 @@ def test_sampling_with_a_seed_is_reproducible(ctx):
     assert len(runs) > 1  # random weights give a flat distribution: seeds must differ
 
 
+def test_top_logprobs_give_the_distribution_before_each_token(ctx):
+    """The N most likely tokens before each generated one, best first: greedy picks the first; sampling draws
+    from the model's own distribution (the entries do not change with temperature); none unless asked."""
+    g = ctx.generate(PROMPT, max_tokens=8, top_logprobs=5)
+    assert len(g.top_logprobs) == len(g.tokens) > 0
+    for token, step in zip(g.tokens, g.top_logprobs):
+        ids, lps = [t for t, _ in step], [lp for _, lp in step]
+        assert len(step) == 5 and len(set(ids)) == 5 and token == ids[0]
+        assert all(a >= b for a, b in zip(lps, lps[1:])) and lps[0] <= 0.0
+        assert 0.0 < sum(np.exp(lps)) <= 1.0 + 1e-5
+    hot = ctx.generate(PROMPT, max_tokens=1, temperature=1.5, seed=3, top_logprobs=5)
+    assert hot.top_logprobs[0] == pytest.approx(g.top_logprobs[0])
+    assert ctx.generate(PROMPT, max_tokens=4).top_logprobs == []
+    with pytest.raises(ValueError, match="top_logprobs"):
+        ctx.generate(PROMPT, max_tokens=1, top_logprobs=-1)
+
+
 def test_stop_string_cuts_the_text(ctx):
     full = ctx.generate(PROMPT, max_tokens=12)
     assert len(full.text) > 6

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -704,7 +705,40 @@ struct generation_result {
     double decode_s = 0.0;
     uint32_t prefill_ubatch = 0;  // the ubatch the prompt ran at
     double prefill_swap_ms = 0.0; // the prefill-phase swap's release + reserve + restore, 0 without one
+    // with n_probs > 0: before each generated token, the n_probs most likely tokens and their log-probabilities
+    // (of the model's distribution, before any sampler), best first
+    std::vector<std::vector<std::pair<llama_token, float>>> top_logprobs;
 };
+
+// The n most likely tokens of the last output's logits and their log-probabilities, best first.
+static std::vector<std::pair<llama_token, float>> top_logprobs(llama_context * ctx, int32_t n_vocab, int32_t n) {
+    const float * logits = llama_get_logits_ith(ctx, -1);
+    std::vector<std::pair<llama_token, float>> out;
+    if (logits == nullptr || n_vocab <= 0) {
+        return out;
+    }
+    float max_logit = logits[0];
+    for (int32_t i = 1; i < n_vocab; i++) {
+        max_logit = std::max(max_logit, logits[i]);
+    }
+    double sum = 0.0;
+    for (int32_t i = 0; i < n_vocab; i++) {
+        sum += std::exp((double) logits[i] - max_logit);
+    }
+    const float log_z = max_logit + (float) std::log(sum);
+    std::vector<llama_token> ids(n_vocab);
+    for (int32_t i = 0; i < n_vocab; i++) {
+        ids[i] = i;
+    }
+    n = std::min(n, n_vocab);
+    std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), [logits](llama_token a, llama_token b) {
+        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int32_t i = 0; i < n; i++) {
+        out.emplace_back(ids[i], logits[ids[i]] - log_z);
+    }
+    return out;
+}
 
 // The decode configuration comes back before the first token is sampled, also when the prompt's
 // decode throws (an interrupt, a full context)
@@ -753,7 +787,7 @@ static size_t find_stop(const std::string & text, size_t from_hint, const std::v
 
 static generation_result generate(context_handle & c, const std::vector<llama_token> & prompt, int32_t max_tokens,
                                   float temperature, uint32_t seed, int32_t top_k, float top_p,
-                                  const std::vector<std::string> & stops) {
+                                  const std::vector<std::string> & stops, int32_t n_probs) {
     const model_handle & m = *c.model;
     const int32_t n_ctx = (int32_t) llama_n_ctx(c.ctx);
     if (prompt.empty()) {
@@ -772,6 +806,10 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
     if (temperature < 0.0f) {
         throw std::invalid_argument("temperature must be >= 0");
     }
+    if (n_probs < 0) {
+        throw std::invalid_argument("top_logprobs must be >= 0");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(m.vocab);
 
     generation_result r;
     std::unique_ptr<llama_sampler, decltype(&llama_sampler_free)> smpl(make_sampler(temperature, seed, top_k, top_p),
@@ -803,6 +841,9 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
     int32_t n_past = (int32_t) prompt.size();
     r.finish_reason = "length";
     if (max_tokens > 0) {
+        if (n_probs > 0) {
+            r.top_logprobs.push_back(top_logprobs(c.ctx, n_vocab, n_probs));
+        }
         llama_token t = llama_sampler_sample(smpl.get(), c.ctx, -1);
         while (true) {
             if (llama_vocab_is_eog(m.vocab, t)) {
@@ -827,6 +868,9 @@ static generation_result generate(context_handle & c, const std::vector<llama_to
             decode_chunks(c.ctx, c.batch, &t, 1, n_past, 1, true);
             n_past++;
             r.decode_tokens++;
+            if (n_probs > 0) {
+                r.top_logprobs.push_back(top_logprobs(c.ctx, n_vocab, n_probs));
+            }
             t = llama_sampler_sample(smpl.get(), c.ctx, -1);
         }
     }
@@ -1409,8 +1453,9 @@ PYBIND11_MODULE(_core, mod) {
             llama_memory_clear(llama_get_memory(c.ctx), true);
         })
         .def("generate", [](context_handle & c, const std::vector<llama_token> & prompt, int32_t max_tokens, float temperature,
-                            uint32_t seed, int32_t top_k, float top_p, const std::vector<std::string> & stop) {
-            generation_result r = generate(c, prompt, max_tokens, temperature, seed, top_k, top_p, stop);
+                            uint32_t seed, int32_t top_k, float top_p, const std::vector<std::string> & stop,
+                            int32_t n_probs) {
+            generation_result r = generate(c, prompt, max_tokens, temperature, seed, top_k, top_p, stop, n_probs);
             py::dict d;
             d["tokens"] = r.tokens;
             d["text"] = py::bytes(r.text);
@@ -1421,9 +1466,11 @@ PYBIND11_MODULE(_core, mod) {
             d["decode_s"] = r.decode_s;
             d["prefill_ubatch"] = r.prefill_ubatch;
             d["prefill_swap_ms"] = r.prefill_swap_ms;
+            d["top_logprobs"] = r.top_logprobs;
             return d;
         }, py::arg("prompt"), py::arg("max_tokens") = 128, py::arg("temperature") = 0.0f, py::arg("seed") = 0,
-           py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("stop") = std::vector<std::string>())
+           py::arg("top_k") = 40, py::arg("top_p") = 0.95f, py::arg("stop") = std::vector<std::string>(),
+           py::arg("n_probs") = 0)
         .def("trace_routing", &trace_routing, py::arg("tokens"),
              "(ids [n_tokens, n_moe_layers, n_expert_used] int32, the layer index of each column)")
         .def("moe_cache_enabled", [](const context_handle & c) { return llama_moe_cache_enabled(c.ctx); },
