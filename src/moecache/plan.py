@@ -233,10 +233,12 @@ def parse_bandwidth(text: str) -> Bandwidth:
 # (benchmarks/results/2026-12-01-decode-limit-h200-analysis.md).
 CPU_MISS_ROUND_TRIP_S = 54e-6
 # What a decode step's misses get of the measured peaks: the CPU's threads computing missed experts read
-# about 35 GB/s where a plain parallel read gets 96, the GPU reading mapped host memory about 35 where a
-# pinned copy gets 55 (the same analysis: "both ~35 GB/s").
+# about 35 GB/s where a plain parallel read gets 96 (the same analysis). The GPU reading mapped host memory
+# got 26 GB/s where a pinned copy gets 55 in the users' comparison on an H100 (30B shape, 24 GiB: 59 t/s with
+# the misses on the GPU against 75 on the CPU, benchmarks/results/2026-12-06-vs-llama-server-30b-miss-h100.md);
+# the 35 of the earlier analysis left out the warm restore's uploads that share the link in a served decode.
 CPU_EXPERT_READ_SHARE = 0.37
-LINK_EXPERT_READ_SHARE = 0.64
+LINK_EXPERT_READ_SHARE = 0.48
 MISS_GPU_MIN_PCT = 2  # a crossover below this: the misses stay on the CPU
 
 

@@ -150,6 +150,12 @@ PRESETS["gpt-oss-120b"] = Preset(
                 "~61 GiB at q8_0, ~60 GiB of experts",
     n_layer=36, n_embd=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff=2880, n_head=64, n_head_kv=8,
     head_dim=64, n_ctx_train=131072, rope_freq_base=150_000.0, rms_eps=1e-5, sliding_window=128)
+PRESETS["gpt-oss-20b"] = replace(
+    PRESETS["gpt-oss-120b"], name="gpt-oss-20b",
+    description="gpt-oss-20b's shapes: 24 layers (sliding window 128 and full attention in turn), d_model 2880, "
+                "32 experts (top-4) with biases, expert FFN 2880, 64 heads of 64 (8 KV), attention sinks; the qwen2 "
+                "tokenizer, no YaRN; MXFP4 experts with --quant mxfp4_moe: ~11 GiB, ~9.5 GiB of experts",
+    n_layer=24, n_expert=32)
 # an MTP block (one full-attention decoder block with the MoE, and the nextn projection) after the main
 # layers: its eh_proj passes the next token's normed embedding through, so its draft is the token the main
 # model predicts from that embedding (the residual updates are small), and a fair share of drafts is accepted
@@ -168,6 +174,12 @@ PRESETS["qwen3.5-122b-a10b-mtp-24l"] = replace(
     description="qwen3.5-122b-a10b-mtp's shapes cut to 24 layers (18 gated-delta-net, 6 gated attention) and its "
                 "MTP block: for the MTP benchmark on one GPU machine's disk; ~34 GiB at q4_0",
     n_layer=24)
+PRESETS["qwen3.5-35b-a3b-mtp"] = replace(
+    PRESETS["qwen3.5-122b-a10b-mtp"], name="qwen3.5-35b-a3b-mtp",
+    description="Qwen3.5-35B-A3B's shapes (qwen35moe): 40 layers (30 gated-delta-net, 10 gated attention), d_model "
+                "2048, 256 experts (top-8) + a shared expert, expert FFN 512, 16 heads of 256 (2 KV), GDN 16 key / 32 "
+                "value heads of 128, and its MTP block; the qwen2 tokenizer; ~19 GiB at q4_0",
+    n_layer=40, n_embd=2048, n_ff_exp=512, n_ff=512, n_ff_shexp=512, n_head=16, ssm_time_step_rank=32)
 # tiny-qwen4exp's QSA layer is its last, so only the last prompt token's QSA output reaches the logits;
 # with a second QSA layer, every prompt token's first-QSA output reaches a later layer's cache
 PRESETS["tiny-qwen4exp-8l"] = replace(
