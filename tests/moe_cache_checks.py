@@ -120,6 +120,21 @@ def host_context_mib(log: str) -> float:
     return kv + float(compute[0])  # the first reservation, made before the banks
 
 
+def token_steps(out):
+    """A completion's top log-probabilities per generated token, aligned with its tokens: llama-server gives
+    none for a token that leaves a character's UTF-8 bytes incomplete (None there)."""
+    steps, entries = [], iter(out["completion_probabilities"])
+    entry = next(entries, None)
+    for t in out["tokens"]:
+        if entry is not None and entry["id"] == t:
+            steps.append([(p["id"], p["logprob"]) for p in entry["top_logprobs"]])
+            entry = next(entries, None)
+        else:
+            steps.append(None)
+    assert entry is None, "log-probabilities left over: they do not follow the tokens"
+    return steps
+
+
 def logprobs(out):
     return [[(p["id"], p["logprob"]) for p in t["top_logprobs"]] for t in out["completion_probabilities"]]
 
@@ -146,16 +161,19 @@ def assert_close_tokens(ref_tokens, ref_steps, tokens, steps=None, bound=5e-2, n
     most likely tokens were within `near_tie` (log-probability) of each other, which rounding may break the other
     way (the comparison ends there, the other token being one of those); before it, the chosen
     token's log-probability within `bound` where `steps` are given. Steps: per token, [(id, logprob), ...] best
-    first (logprobs() of a completion, Generation.top_logprobs). Returns the steps compared."""
-    assert len(ref_steps) >= len(ref_tokens), (len(ref_steps), len(ref_tokens))
+    first (token_steps() of a completion, Generation.top_logprobs), None where a step has none. Returns the
+    steps compared."""
+    assert len(ref_steps) == len(ref_tokens), (len(ref_steps), len(ref_tokens))
     for i, (a, b) in enumerate(zip(ref_tokens, tokens)):
         ra = ref_steps[i]
+        if a != b and ra is None:
+            raise AssertionError(f"step {i}: token {b} instead of {a}, at a step without log-probabilities")
         if a != b:
             tied = [t for t, lp in ra[1:] if ra[0][1] - lp < near_tie]
             assert b in tied, (f"step {i}: token {b} instead of {a}, which the reference did not have within "
                                f"{near_tie} of its best ({ra}): more than rounding")
             return i
-        if steps is not None:
+        if steps is not None and ra is not None and steps[i] is not None:
             assert abs(ra[0][1] - steps[i][0][1]) < bound, f"step {i}: log-probability {steps[i][0]} against {ra[0]}"
     assert len(tokens) == len(ref_tokens), f"{len(tokens)} tokens against the reference's {len(ref_tokens)}"
     return len(ref_tokens)
