@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [cpu-types] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [cpu-types] [mapped-read] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, CPU_MMID_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -257,6 +257,19 @@ while [ $i -lt ${#phases[@]} ]; do
                 | tee -a "$out/run.log" || { tail -20 "$out/cpu-mmid.err"; failed=1; }
         done
         ;;
+    mapped-read)
+        # how fast the GPU brings a decode step's missed experts over the link (issue 48): copies from pinned
+        # memory, a 16-byte gather kernel from mapped memory into VRAM, and 4-byte reads in place as the
+        # expert kernels do (MAPPED_READ_ARGS: the tool's flags)
+        log "mapped-read: nvcc benchmarks/native/bench_mapped_read.cu"
+        if nvcc -O2 -arch=sm_90 -o /tmp/bench-mapped-read "$repo/benchmarks/native/bench_mapped_read.cu" \
+                && (set -o pipefail; /tmp/bench-mapped-read ${MAPPED_READ_ARGS:-} 2>&1 | tee "$out/mapped-read.log" \
+                    | tee -a "$out/run.log"); then
+            log "mapped-read: done"
+        else
+            log "mapped-read: FAILED (see mapped-read.log)"; failed=1
+        fi
+        ;;
     cpu-types)
         # the CPU's experts in each type real files use against the host's read bound (issue 48): the 30B
         # shape's three MUL_MAT_IDs over 48 layers, one token, random experts from DRAM, in one graph, with the
@@ -369,7 +382,7 @@ while [ $i -lt ${#phases[@]} ]; do
             log "llama-archs: FAILED (see llama-archs.log)"; failed=1
         fi
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, cpu-types, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, cpu-types, mapped-read, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
