@@ -227,27 +227,26 @@ def parse_bandwidth(text: str) -> Bandwidth:
     return Bandwidth(values["host"], values["device"], values["h2d"])
 
 
-# What a cached layer costs per decode step beyond its bytes when its misses run on the CPU: the graph splits
-# there and the GPU waits for the CPU's part, even when nothing misses. Measured on the H200 machine's 30B
-# shape with every expert cached: 8.3 ms per step with the split against 5.7 ms without, over 48 layers
-# (benchmarks/results/2026-12-01-decode-limit-h200-analysis.md).
-CPU_MISS_ROUND_TRIP_S = 54e-6
-# What a decode step's misses get of the measured peaks: the CPU's threads computing missed experts read
-# about 35 GB/s where a plain parallel read gets 96 (the same analysis). The GPU reading mapped host memory
-# got 26 GB/s where a pinned copy gets 55 in the users' comparison on an H100 (30B shape, 24 GiB: 59 t/s with
-# the misses on the GPU against 75 on the CPU, benchmarks/results/2026-12-06-vs-llama-server-30b-miss-h100.md);
-# the 35 of the earlier analysis left out the warm restore's uploads that share the link in a served decode.
-CPU_EXPERT_READ_SHARE = 0.37
+# The decode cost model. A layer whose routed experts (or a cached layer's misses) run on the CPU costs per
+# decode step a fixed CPU_LAYER_S (the graph splits there, the GPU waits for the hand-over and the CPU's
+# graph) plus its experts read at the host's measured read rate; a layer with its experts whole in VRAM costs
+# nothing beyond the GPU's own step. Fitted to one run on an H100 (30B shape, 24 GiB, one user,
+# benchmarks/results/2026-12-06-vs-llama-server-30b-miss-h100.md): llama-server's --fit (18 CPU layers, 8
+# experts each) 10.96 ms per token, every layer cached with 82% hits and the misses on the CPU 13.32 ms, the
+# host read at 102.6 GB/s: 142 us per CPU layer and a GPU step of 4.67 ms.
+CPU_LAYER_S = 142e-6
+# The GPU reading missed experts in mapped host memory got 26 GB/s where a pinned copy gets 55 in that run
+# (59 t/s with every miss on the GPU against 75 on the CPU; the warm restore's uploads share the link).
 LINK_EXPERT_READ_SHARE = 0.48
 MISS_GPU_MIN_PCT = 2  # a crossover below this: the misses stay on the CPU
 
 
 @dataclass
 class MissPlacement:
-    """Where the cache's misses run, from the cost of a decode step: on the CPU, a cached layer costs the
-    round trip of its split plus its missed experts read from host memory by the CPU's threads; on the GPU,
-    the missed experts read over the link (mapped host memory). With a share f of a layer's routed experts
-    missing, the GPU is faster while f < crossover = round trip / (its routed bytes x (1/link - 1/host)):
+    """Where the cache's misses run, from the cost of a decode step: on the CPU, a cached layer costs a CPU
+    layer (CPU_LAYER_S) plus its missed experts read from host memory; on the GPU, the missed experts read
+    over the link (mapped host memory). With a share f of a layer's routed experts missing, the GPU is faster
+    while f < crossover = CPU layer / (its routed bytes x (1/link - 1/host)):
     `gpu` when that holds for any f, `cpu` when it holds for almost none, else `auto` with the crossover as
     --moe-cache-miss-auto-pct (the library moves each layer by its own recent misses)."""
     mode: str                   # "cpu", "gpu" or "auto"
@@ -261,21 +260,20 @@ class MissPlacement:
         return ["--moe-cache-miss", self.mode] if self.mode != "cpu" else []
 
 
-def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float,
-                   round_trip_s: float = CPU_MISS_ROUND_TRIP_S) -> MissPlacement:
+def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float, layer_s: float = CPU_LAYER_S) -> MissPlacement:
     """The cost model's choice for one token's routed experts of a layer (`layer_routed_bytes`: n_expert_used
     experts' bytes) on a machine with bandwidths `bw` (None: not measured, the misses stay on the CPU)."""
     if bw is None or not bw.usable():
         return MissPlacement("cpu", None, None, "misses on the CPU (no link bandwidth measured to weigh the GPU's "
                                                 "path against)")
-    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.host_read * CPU_EXPERT_READ_SHARE
+    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.host_read
     extra = layer_routed_bytes * (1.0 / link - 1.0 / cpu)  # s per layer, all of its routed experts missed
-    if extra <= 0 or round_trip_s / extra >= 1.0:
-        return MissPlacement("gpu", None, None if extra <= 0 else round_trip_s / extra,
+    if extra <= 0 or layer_s / extra >= 1.0:
+        return MissPlacement("gpu", None, None if extra <= 0 else layer_s / extra,
                              f"misses on the GPU: over the link ({bw.host_to_device / 1e9:.1f} GB/s) a layer's "
-                             f"missed experts cost less than the CPU's round trip ({round_trip_s * 1e6:.0f} us) and "
+                             f"missed experts cost less than a CPU layer ({layer_s * 1e6:.0f} us) and its "
                              f"read ({bw.host_read / 1e9:.1f} GB/s), at any hit rate")
-    crossover = round_trip_s / extra
+    crossover = layer_s / extra
     pct = int(round(100 * crossover))
     if pct < MISS_GPU_MIN_PCT:
         return MissPlacement("cpu", None, crossover,
@@ -284,7 +282,7 @@ def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float,
     return MissPlacement("auto", pct, crossover,
                          f"a layer's misses on the GPU while at most {pct}% of its routed experts miss, else on the "
                          f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, CPU read {bw.host_read / 1e9:.1f} GB/s, "
-                         f"round trip {round_trip_s * 1e6:.0f} us)")
+                         f"a CPU layer {layer_s * 1e6:.0f} us)")
 
 
 @dataclass
