@@ -452,6 +452,7 @@ PLAN_SETTINGS = {
     "-ub": (UBATCH_FLAGS, UBATCH_ENV),
     "-b": (("-b", "--batch-size"), ("LLAMA_ARG_BATCH",)),
     "--cpu-moe": (EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV),
+    "--n-cpu-moe": (EXPERT_PLACEMENT_FLAGS, EXPERT_PLACEMENT_ENV),
     "--no-repack": (REPACK_FLAGS, REPACK_ENV),
     "-lm": (("-lm", "--load-mode"), ("LLAMA_ARG_LOAD_MODE",)),
     "--moe-cache-slots": (CACHE_SIZE_FLAGS, CACHE_SIZE_ENV),

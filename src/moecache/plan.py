@@ -64,6 +64,8 @@ class Request:
     bandwidth: "Bandwidth | None" = None  # for the rate bounds; None: none printed
     trace: Path | None = None  # a routing trace of the user's traffic: the hit rate at the planned slots
     profile: Path | None = None  # the cache's expert profile of earlier runs: the hit rate where no trace is given
+    n_cpu_moe: int | None = None  # the routed experts of layers 0..N-1 in host memory, the later layers' whole in
+    # VRAM (--n-cpu-moe N); None: every layer's in host memory (--cpu-moe)
 
     def check(self) -> None:
         for name in ("ctx", "users", "ubatch"):
@@ -79,14 +81,16 @@ def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | Non
                 slots: int | None = None, prefill_ubatch: int | None = None,
                 miss: Sequence[str] = ()) -> list[str]:
     """The llama-server arguments of a plan (without -m): every layer on the GPU, the routed experts in
-    host memory (unrepacked, as the cache needs), one KV stream of --ctx tokens per user."""
+    host memory (unrepacked, as the cache needs; with req.n_cpu_moe, those of the first N layers only), one KV
+    stream of --ctx tokens per user."""
     ub = ubatch or req.ubatch
     batch = max(2048, ub, prefill_ubatch or 0)
     args = ["-ngl", "99", "-c", str(req.ctx * req.users), "-np", str(req.users), "-ub", str(ub), "-b", str(batch)]
     if experts_on_host:
         # unrepacked, as the cache needs; read into the GPU's pinned host memory (-lm none): the prompts'
         # ubatches stream them over PCIe and the cache uploads them, both at the pinned rate
-        args += ["--cpu-moe", "--no-repack", "-lm", "none"]
+        placement = ["--cpu-moe"] if req.n_cpu_moe is None else ["--n-cpu-moe", str(req.n_cpu_moe)]
+        args += [*placement, "--no-repack", "-lm", "none"]
         # the misses (all of the routed experts without a cache) are computed on the CPU one token at a time:
         # on huge pages, one run of rows per thread and four Q4_0 rows at once they stream up to twice as fast,
         # with the same results (huge pages, the flat split, the four-row dots); the user's own setting of each stays
@@ -313,10 +317,11 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
 
 
-def profile_hit_rate(path: Path, slots: int, n_expert: int) -> float | None:
+def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | None = None) -> float | None:
     """The share of the routings in a hot-expert cache profile (moecache-expert-profile 1: a line of counts per
-    layer) that each layer's `slots` most-routed experts took, over all layers: what slots holding the hot set
-    serve on that traffic. None for a missing, damaged or other-shaped file, or one without counts yet."""
+    layer) that each layer's `slots` most-routed experts took, over all layers (those before `below_layer`
+    where given): what slots holding the hot set serve on that traffic. None for a missing, damaged or
+    other-shaped file, or one without counts yet."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
@@ -329,12 +334,97 @@ def profile_hit_rate(path: Path, slots: int, n_expert: int) -> float | None:
         if len(words) != 2 + n_expert or words[0] != "layer":
             return None
         try:
+            layer = int(words[1])
             counts = sorted((int(w) for w in words[2:]), reverse=True)
         except ValueError:
             return None
+        if below_layer is not None and layer >= below_layer:
+            continue
         hit += sum(counts[:slots])
         total += sum(counts)
     return hit / total if total > 0 else None
+
+
+def prior_hit_rate(slots: int, n_expert: int) -> float:
+    """The hit rate of `slots` of `n_expert` per layer where neither a trace nor a profile tells: sqrt(slots /
+    experts), which meets the LRU hit rates published for Qwen3-30B-A3B (36.6% at 24 of 128 slots, 74.1% at
+    73) and the 82% measured at 80 (the users' comparison on an H100). Real routing is skewed; how much
+    differs by model."""
+    return min(1.0, (max(0, slots) / max(1, n_expert)) ** 0.5)
+
+
+@dataclass
+class Residency:
+    """Per layer, whole experts in VRAM against cache slots, by the decode cost model (CPU_LAYER_S): the last
+    `resident` MoE layers keep their experts in VRAM (no split, no miss), the others' routed experts stay in
+    host memory with `slots` cache slots each. The modelled cost per decode step of the layers with experts in
+    host memory (the GPU's own step is common to all placements), against every layer cached and against
+    llama-server's --fit placement (as many layers whole as fit, the rest on the CPU, no cache)."""
+    resident: int
+    slots: int
+    n_moe: int
+    step_s: float
+    all_cached_s: float
+    fit_s: float
+    hit_rate: float
+    hit_source: str
+
+    def text(self) -> str:
+        return (f"{self.step_s * 1e3:.2f} ms per token in the layers with experts in host memory by the cost model, "
+                f"against {self.fit_s * 1e3:.2f} with llama-server's --fit placement and {self.all_cached_s * 1e3:.2f} "
+                f"with every layer cached")
+
+
+def layer_step_s(bw: Bandwidth, expert_bytes: float, experts: float, hit: float) -> float:
+    """One decode step of a layer whose routed experts are in host memory: `experts` routed (distinct, over the
+    step's tokens), `hit` of them in slots; the misses where they cost less: the CPU (a CPU layer plus their
+    read) or the GPU (their read over the link)."""
+    missed = experts * (1.0 - hit) * expert_bytes
+    return min(CPU_LAYER_S + missed / bw.host_read, missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE))
+
+
+def routed_per_step(n_expert: int, n_used: int, users: int) -> float:
+    """The distinct experts a layer routes in a decode step of `users` tokens (routing taken as uniform)."""
+    return n_expert * (1.0 - (1.0 - n_used / max(1, n_expert)) ** max(1, users))
+
+
+def choose_residency(d: "Device", n_expert: int, n_used: int, users: int, bw: Bandwidth, hit_at,
+                     bank_min: int = 0, n_layer: int | None = None) -> Residency | None:
+    """The placement of least modelled decode cost on one GPU `d` (planned with every layer's experts in host
+    memory): r of its MoE layers whole in VRAM, the slots of the others from what is left, at least `bank_min`
+    bytes of slots (what the prefill-phase swap gives back to its compute buffers). `hit_at(slots, below_layer)`:
+    the hit rate and its source at that many slots over the layers cached. None where nothing can be cached."""
+    n = d.n_moe_layers
+    if n <= 0 or d.slot <= 0 or n_expert <= 0:
+        return None
+    n_layer = n_layer or n
+    per = d.slot / n                         # one expert of one layer
+    layer = per * n_expert                   # a layer's routed experts
+    free = d.budget - d.fixed
+    routed = routed_per_step(n_expert, n_used, users)
+    best = all_cached = None
+    for r in range(0, n):
+        left = free - r * layer
+        if left < per * (n - r):
+            break                            # not one slot per cached layer
+        c = n - r
+        slots = min(n_expert, int(left // (per * c)))
+        if slots * per * c < bank_min:
+            continue
+        hit, source = hit_at(slots, n_layer - r)
+        step = c * layer_step_s(bw, per, routed, hit)
+        cand = Residency(r, slots, n, step, 0.0, 0.0, hit, source)
+        if r == 0:
+            all_cached = step
+        if best is None or step < best.step_s - 1e-12:
+            best = cand
+    if best is None:
+        return None
+    fit_resident = min(n, int(max(0, free) // layer))
+    fit = (n - fit_resident) * (CPU_LAYER_S + routed * per / bw.host_read)  # its CPU layers: no cache, no GPU misses
+    best.all_cached_s = all_cached if all_cached is not None else best.step_s
+    best.fit_s = fit
+    return best
 
 
 @dataclass
@@ -351,6 +441,7 @@ class Plan:
     notes: list[str]
     host_test_device: bool = False
     measured: dict | None = None  # measure_rates(): the planned server's own prefill and decode here
+    residency: Residency | None = None  # place_layers(): whole experts in VRAM against slots, per layer
     _replayed: tuple | None = field(default=None, repr=False, compare=False)  # ((trace, slots), hit rate)
 
     def hit_rate(self) -> tuple[float, str]:
@@ -367,7 +458,7 @@ class Plan:
                 self._replayed = (key, float(r["hit_rate"]))
             return self._replayed[1], f"replayed {self.request.trace}"
         if self.request.profile is not None:
-            h = profile_hit_rate(self.request.profile, self.slots, self.n_expert)
+            h = profile_hit_rate(self.request.profile, self.slots, self.n_expert, self.request.n_cpu_moe)
             if h is not None:
                 return h, f"the expert profile of earlier runs (the top-{self.slots} share per layer)"
         return min(1.0, self.slots / max(1, self.n_expert)), "uniform routing (a floor)"
@@ -409,7 +500,8 @@ class Plan:
             } for d in self.devices],
             "miss": {k: v for k, v in vars(self.miss()).items()} if self.slots else None,
             "args": self.args(), "command": self.command(), "notes": self.notes,
-            "rates": self._rates_json(), "measured": self.measured,
+            "rates": self._rates_json(), "measured": self.measured, "n_cpu_moe": self.request.n_cpu_moe,
+            "residency": vars(self.residency) if self.residency else None,
         }
 
     def _rates_json(self) -> dict | None:
@@ -427,7 +519,12 @@ class Plan:
         if self.all_in_vram:
             return ("every layer and expert on the GPUs (-ngl 99), no hot-expert cache",
                     "the whole model fits the budget")
-        what = [f"routed experts in host memory ({size_text(self.host_model)})"]
+        r = self.residency
+        if r is not None and r.resident and self.request.n_cpu_moe is not None:
+            what = [f"the experts of the last {r.resident} of {r.n_moe} MoE layers whole in VRAM, the other layers' "
+                    f"routed experts in host memory ({size_text(self.host_model)})"]
+        else:
+            what = [f"routed experts in host memory ({size_text(self.host_model)})"]
         if self.slots:
             h, source = self.hit_rate()
             seen = f" (expected hits {100 * h:.0f}%, from {source})" if source.startswith("the expert profile") else ""
@@ -444,9 +541,15 @@ class Plan:
         total = dense + self.host_model
         budget = sum(d.budget for d in self.devices)
         where = ", ".join(f"{d.name} {size_text(d.budget)}" for d in self.devices)
-        why = (f"the model ({size_text(total)}) and the context do not fit the budget ({where}): the dense "
-               f"weights ({size_text(dense)}) and the KV cache go to the GPU, the cache holds the most-routed "
-               f"experts in the {size_text(max(0, budget - sum(d.fixed for d in self.devices)))} left")
+        whole = r is not None and r.resident > 0 and self.request.n_cpu_moe is not None
+        why = (f"the model ({size_text(total)}) and the context do not fit the budget ({where}): the "
+               f"{'weights of the dense part and the whole layers' if whole else 'dense weights'} ({size_text(dense)}) "
+               f"and the KV cache go to the GPU, the cache holds the most-routed experts in the "
+               f"{size_text(max(0, budget - sum(d.fixed for d in self.devices)))} left")
+        if r is not None:
+            placed = (f"the last {r.resident} layers' experts whole in VRAM" if r.resident and self.request.n_cpu_moe
+                      is not None else "every layer cached")
+            why += f"; per layer, {placed}: {r.text()} (hit rates from {r.hit_source})"
         if self.slots:
             why += f"; {self.miss().why}"
         return ", ".join(what), why
@@ -459,8 +562,10 @@ class Plan:
         head = f"{unit:<26}" + "".join(f"{d.name[:14]:>16}" for d in self.devices)
         lines.append(head)
         rows = [("budget", [d.budget for d in self.devices])]
-        rows.append(("weights (no routed experts)" if not self.all_in_vram else "weights",
-                     [d.model if d.counts_model else 0 for d in self.devices]))
+        whole = self.residency.resident if self.residency and self.request.n_cpu_moe is not None else 0
+        label = "weights" if self.all_in_vram else (f"weights, {whole} layers whole" if whole else
+                                                   "weights (no routed experts)")
+        rows.append((label, [d.model if d.counts_model else 0 for d in self.devices]))
         rows += [("KV cache", [d.context for d in self.devices]),
                  (f"compute (-ub {self.request.ubatch})", [d.compute for d in self.devices])]
         if not self.all_in_vram:
@@ -475,6 +580,10 @@ class Plan:
                          "   compute while a prompt runs, in place of the banks and the decode buffers")
         if self.slots:
             lines.append(f"misses: {self.miss().why}")
+        if self.residency is not None:
+            res = self.residency
+            lines.append(f"per layer: {'the last ' + str(whole) + ' layers whole in VRAM' if whole else 'every layer cached'}, "
+                         f"{res.text()} (hit rates from {res.hit_source})")
         lines.append("")
         if self.all_in_vram:
             lines.append("The whole model fits: every expert in VRAM, no hot-expert cache needed.")
@@ -648,6 +757,61 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
                 int(p["n_layer"]), slots, False, prefill_ubatch, notes, host_test_device=host_test)
 
 
+def place_layers(plan: Plan, environ: Mapping[str, str] | None = None, binary: Path | None = None) -> Plan:
+    """Per layer, whole experts in VRAM against cache slots: the plan of least modelled decode cost
+    (choose_residency, from the plan's bandwidths and hit rates), re-probed with --n-cpu-moe where it keeps
+    some layers whole; the plan as it was where that does not apply (no bandwidths, no cache, several GPUs,
+    your own expert placement) or does not pay. Keeps the prefill-phase swap: the slots left
+    can always give back what its compute buffers need."""
+    req = plan.request
+    bw = req.bandwidth
+    if (plan.all_in_vram or not plan.slots or bw is None or not bw.usable() or plan.host_test_device
+            or len(plan.devices) != 1 or req.n_cpu_moe is not None):
+        return plan
+    if req.probe_args:
+        from .options import EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, user_decides
+
+        if user_decides(req.probe_args, os.environ if environ is None else environ, EXPERT_PLACEMENT_FLAGS,
+                        EXPERT_PLACEMENT_ENV):
+            return plan
+    d = plan.devices[0]
+    bank_min = max(0, (d.prefill_compute or d.compute) - d.compute) if plan.prefill_ubatch else 0
+
+    replayed: dict = {}
+
+    def hit_at(slots: int, below_layer: int) -> tuple[float, str]:
+        if req.trace is not None:
+            if slots not in replayed:
+                from .cache_sim import load_trace, simulate
+
+                replayed[slots] = float(simulate(load_trace(req.trace), slots)["hit_rate"])
+            return replayed[slots], f"replayed {req.trace}"
+        if req.profile is not None:
+            h = profile_hit_rate(req.profile, slots, plan.n_expert, below_layer)
+            if h is not None:
+                return h, "the expert profile of earlier runs"
+        return prior_hit_rate(slots, plan.n_expert), "a prior (sqrt of the slots' share)"
+
+    r = choose_residency(d, plan.n_expert, plan.n_expert_used, req.users, bw, hit_at, bank_min, plan.n_layer)
+    plan.residency = r
+    if r is None or r.resident == 0:
+        return plan
+    from dataclasses import replace as _replace
+
+    try:
+        placed = make_plan(_replace(req, n_cpu_moe=plan.n_layer - r.resident), environ, binary)
+    except PlanError as e:
+        plan.notes.append(f"every layer cached: the placement with {r.resident} layers whole could not be probed ({e})")
+        return plan
+    if not placed.slots or (plan.prefill_ubatch and not placed.prefill_ubatch):
+        plan.notes.append(f"every layer cached: with {r.resident} layers whole the probe left "
+                          f"{placed.slots} slots{'' if placed.prefill_ubatch or not plan.prefill_ubatch else ' and no prefill-phase swap'}")
+        return plan
+    placed.residency = r
+    placed.measured = plan.measured
+    return placed
+
+
 def measure_rates(plan: Plan, prompt_tokens: int | None = None, decode_tokens: int = 64, reps: int = 2,
                   env: Mapping[str, str] | None = None, timeout: float = 900.0, text: str | None = None,
                   repeated_reps: int = 0) -> dict:
@@ -813,6 +977,7 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
                 req.bandwidth = measure_bandwidth_apart(device)  # its CUDA context must not stay beside --measure's server
         elif a.bandwidth != "none":
             req.bandwidth = parse_bandwidth(a.bandwidth)
+        plan = place_layers(plan)  # per layer, whole experts against slots, where bandwidths weigh them
         plan.rates()  # a trace that cannot be read fails here, not in the middle of the table
         if a.measure:
             print(f"{prog}: starting the planned server to measure it ...", file=sys.stderr, flush=True)
@@ -840,7 +1005,8 @@ def _api_settings(args: Sequence[str]) -> tuple[dict, dict]:
     valued = {"-ngl": ("model", "n_gpu_layers"), "-c": ("ctx", "n_ctx"), "-ub": ("ctx", "n_ubatch"),
               "-b": ("ctx", "n_batch"), "--moe-cache-slots": ("ctx", "moe_cache_slots"),
               "--prefill-ubatch": ("ctx", "prefill_ubatch"), "-np": (None, None), "-lm": (None, None),
-              "--moe-cache-miss": ("ctx", "moe_cache_miss"), "--moe-cache-miss-auto-pct": ("ctx", "moe_cache_miss_auto_pct")}
+              "--moe-cache-miss": ("ctx", "moe_cache_miss"), "--moe-cache-miss-auto-pct": ("ctx", "moe_cache_miss_auto_pct"),
+              "--n-cpu-moe": ("model", "n_cpu_moe")}
     # (the profile is the server's: a context of the Python API keeps none unless asked, moe_cache_profile=)
     switches = {"--cpu-moe": ("model", "cpu_moe", True), "--no-repack": ("model", "repack", False),
                 "--host-hugepages": ("model", "hugepages", True),
@@ -905,6 +1071,7 @@ def load(path, n_ctx: int = 8192, n_ubatch: int = 512, gpu_mem_gib: float | Sequ
                           stacklevel=2)
         if made is not None:
             add_bandwidth(made, os.environ.get("LLAMA_ARG_PLAN_BANDWIDTH"))
+            made = place_layers(made)
             model_kw, planned_ctx = _api_settings(made.args())
             ctx_kw.update(planned_ctx)
     ctx_kw.update(context_options)

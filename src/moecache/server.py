@@ -287,7 +287,7 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
     fit the GPUs is planned; a dense model, one that fits, a machine without a GPU or a plan that cannot be made
     start with llama-server's own placement, said in one line. `profile`: where the cache's expert profile is
     kept (default: one per model file in moecache's cache); `lines`: the lines said are appended there too."""
-    from .plan import PlanError, add_bandwidth, make_plan
+    from .plan import PlanError, add_bandwidth, make_plan, place_layers
 
     def say(text: str) -> None:
         if lines is not None:  # the caller says them
@@ -312,6 +312,7 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
         plan = make_plan(req, environ=environ)
         if not plan.all_in_vram:
             add_bandwidth(plan, bandwidth if bandwidth is not None else environ.get("LLAMA_ARG_PLAN_BANDWIDTH"))
+            plan = place_layers(plan, environ=environ)  # per layer, whole experts in VRAM against slots
     except (PlanError, FileNotFoundError, ValueError) as e:
         if explicit:
             print(f"{prog}: --plan auto: {e}", file=sys.stderr)

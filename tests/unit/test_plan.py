@@ -434,3 +434,109 @@ def test_the_hit_rate_comes_from_the_expert_profile_of_earlier_runs(fake_probe, 
     server.startup_plan("moecache-server", str(model), ["-m", str(model)], {}, "16", explicit=False, profile=prof,
                         lines=lines, bandwidth="none")
     assert "expected hits" in lines[0], lines
+
+
+# --- per layer: whole experts in VRAM against cache slots ----------------------------------------------------
+
+EXPERT_30B = 2_654_208  # one expert of one layer of the 30B shape at Q4_0
+H100 = "host=102.6,device=3000,h2d=55"
+
+
+def answer_layers(budget=24 * GiB, prefill_compute=None):
+    """A 30B-shaped model of 48 MoE layers: --cpu-moe puts every layer's routed experts in host memory,
+    --n-cpu-moe N those of layers 0..N-1 (the later layers' experts count in the GPU's weights); the whole
+    model does not fit."""
+    layer = 128 * EXPERT_30B
+
+    def f(args):
+        flag = next((f for f in ("--n-cpu-moe", "-ncmoe") if f in args), None)
+        cached = 48 if "--cpu-moe" in args else (int(last_value(args, flag)) if flag else 0)
+        ub = ub_of(args)
+        compute = (prefill_compute or {}).get(ub, 1 * GiB)
+        d = gpu(model=int(0.7 * GiB) + (48 - cached) * layer, context=12 * GiB, compute=compute,
+                slot=cached * EXPERT_30B, layers=cached, free=budget)
+        return {**probe_result([d], n_ubatch=ub, host_model=cached * layer), "n_ctx": int(last_value(args, "-c"))}
+    return f
+
+
+def placed(model, bandwidth=H100, **kw):
+    req = Request(model, gpu_mem_gib=[24.0], bandwidth=planmod.parse_bandwidth(bandwidth) if bandwidth else None,
+                  **kw)
+    return planmod.place_layers(make_plan(req))
+
+
+def test_layers_stay_whole_in_vram_where_the_cost_model_says_so(fake_probe):
+    model = fake_probe(answer_layers())
+    p = placed(model, swap=False)
+    r = p.residency
+    assert 0 < r.resident < 48 and p.request.n_cpu_moe == 48 - r.resident
+    args = p.args()
+    assert "--cpu-moe" not in args and args[args.index("--n-cpu-moe") + 1] == str(48 - r.resident)
+    # the slots come from the probe of that placement: what the whole layers leave, over the cached layers
+    d = p.devices[0]
+    assert d.n_moe_layers == 48 - r.resident and p.slots == d.slots_fit() > 0
+    # the least modelled cost of every placement, below llama-server's --fit and every layer cached
+    bw = planmod.parse_bandwidth(H100)
+    free = 24 * GiB - (int(0.7 * GiB) + 12 * GiB + 1 * GiB + HEADROOM_MIB * MiB)
+    routed = planmod.routed_per_step(128, 8, 1)
+    costs = {}
+    for k in range(48):
+        left = free - k * 128 * EXPERT_30B
+        if left < EXPERT_30B * (48 - k):
+            break
+        s = min(128, left // (EXPERT_30B * (48 - k)))
+        costs[k] = (48 - k) * planmod.layer_step_s(bw, EXPERT_30B, routed, planmod.prior_hit_rate(s, 128))
+    assert r.step_s == pytest.approx(min(costs.values())) and r.resident == min(costs, key=costs.get)
+    assert r.step_s < r.fit_s and r.step_s < r.all_cached_s == pytest.approx(costs[0])
+    what, why = p.summary()
+    assert f"the experts of the last {r.resident} of 48 MoE layers whole in VRAM" in what
+    assert "llama-server's --fit placement" in why and "per layer" in p.render()
+    assert p.to_json()["residency"]["resident"] == r.resident
+
+
+def test_skewed_routing_caches_more_layers_than_flat_routing(fake_probe, tmp_path):
+    """With an expert profile: flat counts give hits = slots / experts (whole layers pay), a few hot experts
+    per layer give many hits from few slots (more layers cached)."""
+    model = fake_probe(answer_layers())
+
+    def profile(counts):
+        path = tmp_path / f"p{len(list(tmp_path.iterdir()))}.profile"
+        path.write_text("moecache-expert-profile 1\nmodel x\n" + "".join(
+            f"layer {il} {' '.join(map(str, counts))}\n" for il in range(48)) + "end\n")
+        return path
+
+    flat = placed(model, swap=False, profile=profile([100] * 128)).residency
+    skewed = placed(model, swap=False, profile=profile([1000] * 16 + [1] * 112)).residency
+    assert flat.hit_source == skewed.hit_source == "the expert profile of earlier runs"
+    assert skewed.resident < flat.resident
+    assert skewed.hit_rate > 0.9 and flat.hit_rate < 0.5
+
+
+def test_the_swap_keeps_room_with_whole_layers(fake_probe):
+    model = fake_probe(answer_layers(prefill_compute={2048: 3 * GiB}))
+    p = placed(model)
+    assert p.prefill_ubatch == 2048 and p.residency.resident > 0
+    d = p.devices[0]
+    # the banks give back what the prompt's compute buffers need beyond the decode's
+    assert p.slots * d.slot >= 2 * GiB
+
+
+@pytest.mark.parametrize("case", ["no bandwidth", "your placement", "two GPUs"])
+def test_no_whole_layers_without_bandwidths_or_with_your_placement(fake_probe, case):
+    model = fake_probe(answer_layers())
+    if case == "no bandwidth":
+        p = placed(model, bandwidth=None, swap=False)
+    elif case == "your placement":
+        p = placed(model, swap=False, probe_args=["-ncmoe", "40"])
+    else:
+        two = answer_layers()
+        model = fake_probe(lambda args: {**two(args), "devices": two(args)["devices"] * 2})
+        p = placed(model, swap=False)
+    assert p.request.n_cpu_moe is None and (p.residency is None or p.residency.resident == 0)
+    assert "--n-cpu-moe" not in p.args()
+
+
+def test_the_python_api_takes_the_whole_layers():
+    model_kw, _ = planmod._api_settings(["-ngl", "99", "--n-cpu-moe", "30", "--no-repack"])
+    assert model_kw == {"n_gpu_layers": -1, "n_cpu_moe": 30, "repack": False}
+
