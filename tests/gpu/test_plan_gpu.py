@@ -67,3 +67,42 @@ def test_the_whole_model_plan_on_cuda(tiny_model):
     assert _mib("model buffer size", log) == [round(d.model / MiB, 2)]
     assert _mib("KV buffer size", log) == [round(d.context / MiB, 2)]
     assert N_EXPERT == plan.n_expert
+
+
+def test_whole_layers_and_cached_layers_as_planned_on_cuda(demo_and_qwen4exp):
+    """Per layer, whole experts in VRAM against slots: with bandwidths given, a budget that holds some of the
+    demo model's layers whole plans --n-cpu-moe; the server keeps those layers' experts in VRAM (the cache says
+    so per layer), caches the others with the planned slots, allocates the weights the probe priced, and
+    answers as the stock path does (experts on the CPU) up to a near tie."""
+    from dataclasses import replace
+
+    from moe_cache_checks import assert_close_tokens, token_steps
+    from moecache.plan import parse_bandwidth, place_layers
+
+    model = demo_and_qwen4exp["demo"]
+    req = replace(_request(model, 100.0), swap=False)
+    big = make_plan(req)
+    # just below the whole model: the layout with every layer's experts in host memory
+    every = make_plan(replace(req, gpu_mem_gib=[(big.devices[0].fixed - 1) / GiB]))
+    assert not every.all_in_vram
+    d0 = every.devices[0]
+    layer = d0.slot / d0.n_moe_layers * every.n_expert
+    budget = (d0.fixed + 5.5 * layer) / GiB  # five layers' experts whole, or slots
+    plan = place_layers(make_plan(replace(req, gpu_mem_gib=[budget], bandwidth=parse_bandwidth("host=50,device=2000,h2d=25"))))
+    r = plan.residency
+    assert r is not None and r.resident > 0 and plan.request.n_cpu_moe == every.n_layer - r.resident, plan.render()
+    d = plan.devices[0]
+    with ServerProcess(model, args=["-t", "8", *plan.args(), "-lv", "4"], timeout=180) as srv:
+        st = cache_stats(srv)
+        out = complete(srv, PROMPTS[0])
+        log = srv.log_text()
+    layers = st["layers"]
+    n = plan.request.n_cpu_moe
+    assert all(not l.get("reason") for l in layers[:n]), layers[:n]
+    assert all(l.get("reason") == "experts already in device memory" for l in layers[n:]), layers[n:]
+    assert st["n_slots"] == plan.slots
+    assert _mib("model buffer size", log) == [round(d.model / MiB, 2)]
+    with ServerProcess(model, args=["-t", "8", "-ngl", "99", "--cpu-moe", "-c", str(CTX * USERS), "-np", str(USERS),
+                                    "--fit", "off"], timeout=180) as srv:
+        ref = complete(srv, PROMPTS[0])
+    assert_close_tokens(ref["tokens"], token_steps(ref), out["tokens"], token_steps(out))
