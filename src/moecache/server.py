@@ -101,9 +101,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="with --plan auto: the budget of each GPU in GiB (default: what each has free at start) "
                         "(env: LLAMA_ARG_PLAN_GPU_MEM)")
     p.add_argument("--plan-bandwidth", metavar="SPEC", default=None,
-                   help="the bandwidths the plan chooses where the cache's misses run from (the CPU reading host "
-                        "memory against the GPU reading it over the link): auto (default) measures them at start "
-                        "when the plan has a cache (a few seconds), none leaves the misses on the CPU, "
+                   help="the bandwidths the plan's decode cost model weighs, per layer, whole experts in VRAM "
+                        "against cache slots and where the misses run (the CPU reading host memory against the "
+                        "GPU reading it over the link): auto (default) measures them at start when the plan has a "
+                        "cache (a few seconds), none caches every layer and leaves the misses on the CPU, "
                         "host=GB/s,device=GB/s,h2d=GB/s gives them (env: LLAMA_ARG_PLAN_BANDWIDTH)")
     return p
 
