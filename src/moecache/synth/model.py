@@ -150,6 +150,11 @@ PRESETS["gpt-oss-120b"] = Preset(
                 "~61 GiB at q8_0, ~60 GiB of experts",
     n_layer=36, n_embd=2880, n_expert=128, n_expert_used=4, n_ff_exp=2880, n_ff=2880, n_head=64, n_head_kv=8,
     head_dim=64, n_ctx_train=131072, rope_freq_base=150_000.0, rms_eps=1e-5, sliding_window=128)
+PRESETS["gpt-oss-120b-18l"] = replace(
+    PRESETS["gpt-oss-120b"], name="gpt-oss-120b-18l",
+    description="gpt-oss-120b's shapes cut to 18 layers (its 128 experts top-4 with biases per layer): for the "
+                "gpt-oss benchmark on one GPU machine's disk, at half the budget; ~31 GiB with MXFP4 experts",
+    n_layer=18)
 PRESETS["gpt-oss-20b"] = replace(
     PRESETS["gpt-oss-120b"], name="gpt-oss-20b",
     description="gpt-oss-20b's shapes: 24 layers (sliding window 128 and full attention in turn), d_model 2880, "
