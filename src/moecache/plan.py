@@ -444,6 +444,11 @@ class Plan:
     residency: Residency | None = None  # place_layers(): whole experts in VRAM against slots, per layer
     _replayed: tuple | None = field(default=None, repr=False, compare=False)  # ((trace, slots), hit rate)
 
+    @property
+    def whole_layers(self) -> int:
+        """The MoE layers whose experts this plan keeps whole in VRAM (place_layers' --n-cpu-moe), else 0."""
+        return self.residency.resident if self.residency and self.request.n_cpu_moe is not None else 0
+
     def hit_rate(self) -> tuple[float, str]:
         """The share of routed experts the slots hold: replayed from the user's trace, else uniform routing
         (slots / experts, a floor: real routing is skewed)."""
@@ -519,9 +524,9 @@ class Plan:
         if self.all_in_vram:
             return ("every layer and expert on the GPUs (-ngl 99), no hot-expert cache",
                     "the whole model fits the budget")
-        r = self.residency
-        if r is not None and r.resident and self.request.n_cpu_moe is not None:
-            what = [f"the experts of the last {r.resident} of {r.n_moe} MoE layers whole in VRAM, the other layers' "
+        r, whole = self.residency, self.whole_layers
+        if whole:
+            what = [f"the experts of the last {whole} of {r.n_moe} MoE layers whole in VRAM, the other layers' "
                     f"routed experts in host memory ({size_text(self.host_model)})"]
         else:
             what = [f"routed experts in host memory ({size_text(self.host_model)})"]
@@ -541,14 +546,12 @@ class Plan:
         total = dense + self.host_model
         budget = sum(d.budget for d in self.devices)
         where = ", ".join(f"{d.name} {size_text(d.budget)}" for d in self.devices)
-        whole = r is not None and r.resident > 0 and self.request.n_cpu_moe is not None
         why = (f"the model ({size_text(total)}) and the context do not fit the budget ({where}): the "
                f"{'weights of the dense part and the whole layers' if whole else 'dense weights'} ({size_text(dense)}) "
                f"and the KV cache go to the GPU, the cache holds the most-routed experts in the "
                f"{size_text(max(0, budget - sum(d.fixed for d in self.devices)))} left")
         if r is not None:
-            placed = (f"the last {r.resident} layers' experts whole in VRAM" if r.resident and self.request.n_cpu_moe
-                      is not None else "every layer cached")
+            placed = f"the last {whole} layers' experts whole in VRAM" if whole else "every layer cached"
             why += f"; per layer, {placed}: {r.text()} (hit rates from {r.hit_source})"
         if self.slots:
             why += f"; {self.miss().why}"
@@ -562,7 +565,7 @@ class Plan:
         head = f"{unit:<26}" + "".join(f"{d.name[:14]:>16}" for d in self.devices)
         lines.append(head)
         rows = [("budget", [d.budget for d in self.devices])]
-        whole = self.residency.resident if self.residency and self.request.n_cpu_moe is not None else 0
+        whole = self.whole_layers
         label = "weights" if self.all_in_vram else (f"weights, {whole} layers whole" if whole else
                                                    "weights (no routed experts)")
         rows.append((label, [d.model if d.counts_model else 0 for d in self.devices]))
@@ -793,8 +796,8 @@ def place_layers(plan: Plan, environ: Mapping[str, str] | None = None, binary: P
         return prior_hit_rate(slots, plan.n_expert), "a prior (sqrt of the slots' share)"
 
     r = choose_residency(d, plan.n_expert, plan.n_expert_used, req.users, bw, hit_at, bank_min, plan.n_layer)
-    plan.residency = r
     if r is None or r.resident == 0:
+        plan.residency = r  # every layer cached is the model's choice
         return plan
     from dataclasses import replace as _replace
 
