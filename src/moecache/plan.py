@@ -1046,8 +1046,8 @@ def load(path, n_ctx: int = 8192, n_ubatch: int = 512, gpu_mem_gib: float | Sequ
          plan: str = "auto", verbose: bool = False, **context_options):
     """A model and a context of `n_ctx` tokens for one sequence, placed as `moecache-server` places them by
     default: a MoE that does not fit the GPUs gets the plan (`moecache plan`: the routed experts in host memory,
-    the hot-expert cache's slots in the VRAM left, the prefill-phase swap's ubatch, the CPU's fast expert
-    switches); a model that fits gets every layer on the GPU; without a GPU, the model loads on the CPU with a
+    or, where the decode cost model says so, those of the last layers whole in VRAM (n_cpu_moe), the hot-expert
+    cache's slots in the VRAM left, the prefill-phase swap's ubatch, the CPU's fast expert switches); a model that fits gets every layer on the GPU; without a GPU, the model loads on the CPU with a
     warning. `gpu_mem_gib`: each GPU's budget (default: what each has free). `context_options` are
     Model.context's options (moe_cache_*, prefill_*, ...) and win over the plan's. plan="off": no plan
     (Model's defaults). Returns (model, context); `context.plan` is the Plan, or None where none was made.
