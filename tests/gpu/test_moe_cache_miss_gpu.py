@@ -117,3 +117,19 @@ def test_tables_off_keeps_two_branches(demo_model, stock):
     for a, b in zip(stock, outs):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a, b) < 2e-2
+
+
+def test_misses_staged_in_vram_give_the_same_bits(demo_model):
+    """GGML_CUDA_MMID_TABLE_STAGE=1 copies the routed matrices into VRAM before the expert kernels read them
+    (misses from mapped host memory, hits from their slots): the same bytes through the same kernels, so the
+    same tokens and top log-probabilities bit for bit as reading them in place."""
+    from moe_cache_checks import assert_same_outputs
+
+    args = BASE_ARGS + ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"]
+    outs = {}
+    for stage in ("0", "1"):
+        with ServerProcess(demo_model, args=args, env={"GGML_CUDA_MMID_TABLE_STAGE": stage}, timeout=180) as srv:
+            outs[stage] = [complete(srv, p) for p in PROMPTS]
+            tot = cache_stats(srv)["total"]
+        assert tot["n_miss_device"] == N_LAYER and tot["misses"] > 0, tot
+    assert_same_outputs(outs["0"], outs["1"])
