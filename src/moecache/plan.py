@@ -345,6 +345,9 @@ def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | N
     return hit / total if total > 0 else None
 
 
+PRIOR_SOURCE = "a prior: the square root of the slots' share"
+
+
 def prior_hit_rate(slots: int, n_expert: int) -> float:
     """The hit rate of `slots` of `n_expert` per layer where neither a trace nor a profile tells: sqrt(slots /
     experts), which meets the LRU hit rates published for Qwen3-30B-A3B (36.6% at 24 of 128 slots, 74.1% at
@@ -368,6 +371,7 @@ class Residency:
     fit_s: float
     hit_rate: float
     hit_source: str
+    candidates: list = field(default_factory=list)  # (whole layers, slots, hit rate, modelled s) of every placement
 
     def text(self) -> str:
         return (f"{self.step_s * 1e3:.2f} ms per token in the layers with experts in host memory by the cost model, "
@@ -403,6 +407,7 @@ def choose_residency(d: "Device", n_expert: int, n_used: int, users: int, bw: Ba
     free = d.budget - d.fixed
     routed = routed_per_step(n_expert, n_used, users)
     best = all_cached = None
+    tried: list = []
     for r in range(0, n):
         left = free - r * layer
         if left < per * (n - r):
@@ -413,6 +418,7 @@ def choose_residency(d: "Device", n_expert: int, n_used: int, users: int, bw: Ba
             continue
         hit, source = hit_at(slots, n_layer - r)
         step = c * layer_step_s(bw, per, routed, hit)
+        tried.append((r, slots, hit, step))
         cand = Residency(r, slots, n, step, 0.0, 0.0, hit, source)
         if r == 0:
             all_cached = step
@@ -424,6 +430,7 @@ def choose_residency(d: "Device", n_expert: int, n_used: int, users: int, bw: Ba
     fit = (n - fit_resident) * (CPU_LAYER_S + routed * per / bw.host_read)  # its CPU layers: no cache, no GPU misses
     best.all_cached_s = all_cached if all_cached is not None else best.step_s
     best.fit_s = fit
+    best.candidates = tried
     return best
 
 
@@ -450,8 +457,8 @@ class Plan:
         return self.residency.resident if self.residency and self.request.n_cpu_moe is not None else 0
 
     def hit_rate(self) -> tuple[float, str]:
-        """The share of routed experts the slots hold: replayed from the user's trace, else uniform routing
-        (slots / experts, a floor: real routing is skewed)."""
+        """The share of routed experts the slots hold: replayed from the user's trace, else from the expert
+        profile of earlier runs, else the prior (prior_hit_rate) the per-layer placement uses too."""
         if self.slots <= 0:
             return 0.0, "no cache"
         if self.request.trace is not None:
@@ -466,7 +473,7 @@ class Plan:
             h = profile_hit_rate(self.request.profile, self.slots, self.n_expert, self.request.n_cpu_moe)
             if h is not None:
                 return h, f"the expert profile of earlier runs (the top-{self.slots} share per layer)"
-        return min(1.0, self.slots / max(1, self.n_expert)), "uniform routing (a floor)"
+        return prior_hit_rate(self.slots, self.n_expert), PRIOR_SOURCE
 
     def rates(self) -> Rates | None:
         return rate_bounds(self, self.request.bandwidth) if self.request.bandwidth else None
@@ -587,6 +594,12 @@ class Plan:
             res = self.residency
             lines.append(f"per layer: {'the last ' + str(whole) + ' layers whole in VRAM' if whole else 'every layer cached'}, "
                          f"{res.text()} (hit rates from {res.hit_source})")
+            # the model's other placements, to check it against (-ncmoe N places them by hand)
+            step = max(1, len(res.candidates) // 8)
+            shown = [c for i, c in enumerate(res.candidates) if i % step == 0 or c[0] == res.resident]
+            lines.append("  whole layers  -ncmoe  slots   hits  modelled ms/token")
+            lines += [f"  {r:>12}  {self.n_layer - r:>6}  {s:>5}  "
+                      f"{100 * h:4.0f}%  {ms * 1e3:8.2f}{'  <-' if r == res.resident else ''}" for r, s, h, ms in shown]
         lines.append("")
         if self.all_in_vram:
             lines.append("The whole model fits: every expert in VRAM, no hot-expert cache needed.")
@@ -793,7 +806,7 @@ def place_layers(plan: Plan, environ: Mapping[str, str] | None = None, binary: P
             h = profile_hit_rate(req.profile, slots, plan.n_expert, below_layer)
             if h is not None:
                 return h, "the expert profile of earlier runs"
-        return prior_hit_rate(slots, plan.n_expert), "a prior (sqrt of the slots' share)"
+        return prior_hit_rate(slots, plan.n_expert), PRIOR_SOURCE
 
     r = choose_residency(d, plan.n_expert, plan.n_expert_used, req.users, bw, hit_at, bank_min, plan.n_layer)
     if r is None or r.resident == 0:
@@ -937,11 +950,13 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
                    help="a typical prompt's length: the swap's ubatch is planned no larger than it")
     p.add_argument("--no-swap", dest="swap", action="store_false", help="plan without the prefill-phase swap")
     p.add_argument("--bandwidth", default="auto", metavar="auto|none|host=GB/s,device=GB/s,h2d=GB/s",
-                   help="the bandwidths of the rate bounds: measured on this machine (auto, a few seconds), given, "
-                        "or none (no rates)")
+                   help="the bandwidths of the decode cost model (per layer, whole experts against slots; where "
+                        "the misses run) and of the rate bounds: measured on this machine (auto, a few seconds), "
+                        "given, or none (every layer cached, misses on the CPU, no rates)")
     p.add_argument("--trace", type=Path, default=None,
                    help="a routing trace of your traffic (--moe-routing-trace): the hit rate at the planned slots "
-                        "is replayed from it (default: uniform routing, a floor)")
+                        "is replayed from it (default: the expert profile of earlier runs, else a prior: the "
+                        "square root of the slots' share)")
     p.add_argument("--measure", action="store_true",
                    help="start the planned server and time it here: a prompt of --prompt-tokens tokens of real "
                         "text (default: up to 4096) and 64 decoded tokens, twice after a warm-up; the medians are "

@@ -188,8 +188,9 @@ def test_the_rate_bounds_follow_the_bandwidths(fake_probe):
     bw = planmod.parse_bandwidth("host=10,device=4000,h2d=25")
     p = make_plan(Request(model, gpu_mem_gib=[16.0], bandwidth=bw))
     r = p.rates()
-    # 8 used experts x 100 MiB (one of each of the 48 cached layers) per token; 87 of 128 slots held
-    h = 87 / 128
+    # 8 used experts x 100 MiB (one of each of the 48 cached layers) per token; 87 of 128 slots held, hits from
+    # the prior (no trace, no profile)
+    h = planmod.prior_hit_rate(87, 128)
     expert = 8 * 100 * MiB
     # the link's share reads faster than the CPU's: the misses on the GPU, read over the link
     assert p.miss().mode == "gpu"
@@ -426,7 +427,7 @@ def test_the_hit_rate_comes_from_the_expert_profile_of_earlier_runs(fake_probe, 
     for bad in ("garbage\n", "moecache-expert-profile 1\nmodel x\nlayer 0 1 2\nend\n",
                 "moecache-expert-profile 1\nmodel x\n" + "layer 0 " + " ".join(["0"] * n_exp) + "\nend\n"):
         prof.write_text(bad)
-        assert p.hit_rate() == (min(1.0, slots / n_exp), "uniform routing (a floor)")
+        assert p.hit_rate() == (planmod.prior_hit_rate(slots, n_exp), planmod.PRIOR_SOURCE)
     # moecache-server's default plan reads the profile it keeps for the model
     monkeypatch.setattr(server, "moe_expert_count", lambda path: n_exp)
     prof.write_text("moecache-expert-profile 1\nmodel x\n" + "layer 0 " + " ".join(map(str, counts)) + "\nend\n")
@@ -492,6 +493,9 @@ def test_layers_stay_whole_in_vram_where_the_cost_model_says_so(fake_probe):
     assert f"the experts of the last {r.resident} of 48 MoE layers whole in VRAM" in what
     assert "llama-server's --fit placement" in why and "per layer" in p.render()
     assert p.to_json()["residency"]["resident"] == r.resident
+    # every placement the model weighed, to check it against (-ncmoe N places one by hand)
+    assert [c[0] for c in r.candidates] == sorted(costs) and "modelled ms/token" in p.render()
+    assert f"{48 - r.resident:>6}" in next(l for l in p.render().splitlines() if l.endswith("<-"))
 
 
 def test_skewed_routing_caches_more_layers_than_flat_routing(fake_probe, tmp_path):
