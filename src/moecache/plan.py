@@ -668,7 +668,8 @@ def _idle_device(d: Device) -> bool:
     return d.model + d.context + d.compute == 0 and d.slot == 0
 
 
-def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Path | None = None) -> Plan:
+def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Path | None = None,
+              whole_checked: bool = False) -> Plan:
     environ = os.environ if environ is None else environ
     req.check()
 
@@ -691,7 +692,8 @@ def make_plan(req: Request, environ: Mapping[str, str] | None = None, binary: Pa
         return probe(req.model, args + list(last), env, binary, routing_readback)
 
     # 1. the whole model on the GPUs: no cache needed where it fits (your own expert placement stays yours)
-    if environ.get(HOST_DEVICE_ENV, "").strip() in ("", "0") and not user_places_experts:
+    # (whole_checked: a caller that already found it does not fit)
+    if environ.get(HOST_DEVICE_ENV, "").strip() in ("", "0") and not user_places_experts and not whole_checked:
         whole = probe_with(server_args(req, experts_on_host=False))
         rows, host_test = _gpu_rows(whole, environ)
         budgets = _budgets(req, rows, host_test, environ)
@@ -815,7 +817,7 @@ def place_layers(plan: Plan, environ: Mapping[str, str] | None = None, binary: P
     from dataclasses import replace as _replace
 
     try:
-        placed = make_plan(_replace(req, n_cpu_moe=plan.n_layer - r.resident), environ, binary)
+        placed = make_plan(_replace(req, n_cpu_moe=plan.n_layer - r.resident), environ, binary, whole_checked=True)
     except PlanError as e:
         plan.notes.append(f"every layer cached: the placement with {r.resident} layers whole could not be probed ({e})")
         return plan

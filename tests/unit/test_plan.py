@@ -544,3 +544,10 @@ def test_the_python_api_takes_the_whole_layers():
     model_kw, _ = planmod._api_settings(["-ngl", "99", "--n-cpu-moe", "30", "--no-repack"])
     assert model_kw == {"n_gpu_layers": -1, "n_cpu_moe": 30, "repack": False}
 
+
+
+def test_the_placement_probes_the_whole_model_once(fake_probe):
+    model = fake_probe(answer_layers())
+    placed(model, swap=False)
+    whole = [a for a in fake_probe.calls if not {"--cpu-moe", "--n-cpu-moe"} & set(a)]
+    assert len(whole) == 1, fake_probe.calls
