@@ -88,7 +88,7 @@ def test_whole_layers_and_cached_layers_as_planned_on_cuda(demo_and_qwen4exp):
     d0 = every.devices[0]
     layer = d0.slot / d0.n_moe_layers * every.n_expert
     budget = (d0.fixed + 5.5 * layer) / GiB  # five layers' experts whole, or slots
-    plan = place_layers(make_plan(replace(req, gpu_mem_gib=[budget], bandwidth=parse_bandwidth("host=50,device=2000,h2d=25"))))
+    plan = place_layers(make_plan(replace(req, gpu_mem_gib=[budget], bandwidth=parse_bandwidth("host=50,device=2000,h2d=0.5"))))
     r = plan.residency
     assert r is not None and r.resident > 0 and plan.request.n_cpu_moe == every.n_layer - r.resident, plan.render()
     d = plan.devices[0]
