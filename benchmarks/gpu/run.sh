@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build moecache with CUDA for sm_90, run the GPU tests and the baseline scenario on a GPU machine.
 #
-#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [cpu-types] [mapped-read] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
+#   benchmarks/gpu/run.sh [build] [test] [diag] [repro] [backend-ops] [llama-archs] [model] [cpu-decode] [cpu-pages] [cpu-ops] [cpu-mmid] [cpu-types] [mapped-read] [mtp-profile] [qsa-ops] [plan] [drop-models] [build-ref] [bench SCENARIO...] [bench-ref SCENARIO...]
 #   (default: build test backend-ops model bench; BENCH_ARGS: extra flags of moecache bench;
 #   TEST_FILES: a subset of tests/gpu; BACKEND_OPS: the op backend-ops tests (MUL_MAT_ID);
 #   QSA_OPS_ARGS, CPU_DECODE_ARGS, CPU_MMID_ARGS, REPRO_ARGS: the flags of those phases' tools)
@@ -257,6 +257,19 @@ while [ $i -lt ${#phases[@]} ]; do
                 | tee -a "$out/run.log" || { tail -20 "$out/cpu-mmid.err"; failed=1; }
         done
         ;;
+    mtp-profile)
+        # where an MTP decode step's time goes (issue 49): the 35B-A3B shape with its MTP block, plain and with
+        # draft-mtp, GGML_SCHED_TIMES per context (benchmarks/gpu/mtp-profile.py; the model: the MTP scenario's)
+        wait_ahead mtp-profile
+        m35=$models/$(python3 -c 'from moecache.synth import cached_model_name; print(cached_model_name("qwen3.5-35b-a3b-mtp", "q4_0", 0))')
+        [ -f "$m35" ] || PYTHONPATH=$repo/src python3 -m moecache bench "$repo/benchmarks/scenarios/spec-mtp-cache-35b-12gib.toml" --model-only
+        if python3 "$repo/benchmarks/gpu/mtp-profile.py" "$m35" "$out" 2>&1 | tee -a "$out/run.log"; then
+            grep -h "ggml_sched_times\|llama_host_times" "$out"/mtp-profile-*.log | tail -60 > "$out/mtp-profile-times.log" || true
+            log "mtp-profile: done (mtp-profile-*.log)"
+        else
+            log "mtp-profile: FAILED"; failed=1
+        fi
+        ;;
     mapped-read)
         # how fast the GPU brings a decode step's missed experts over the link (issue 48): copies from pinned
         # memory, a 16-byte gather kernel from mapped memory into VRAM, and 4-byte reads in place as the
@@ -382,7 +395,7 @@ while [ $i -lt ${#phases[@]} ]; do
             log "llama-archs: FAILED (see llama-archs.log)"; failed=1
         fi
         ;;
-    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, cpu-types, mapped-read, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
+    *) echo "unknown phase '$phase' (build, test, diag, repro, backend-ops, llama-archs, model, cpu-decode, cpu-pages, cpu-ops, cpu-mmid, cpu-types, mapped-read, mtp-profile, qsa-ops, plan, drop-models, build-ref, bench [SCENARIO.toml...], bench-ref [SCENARIO.toml...])" >&2; exit 2 ;;
     esac
 done
 if [ "${failed:-0}" = 1 ]; then log "done, with failures"; exit 1; fi
