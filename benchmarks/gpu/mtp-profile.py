@@ -28,11 +28,11 @@ def main() -> int:
             *sys.argv[3:]]
     prompt = (Path(__file__).resolve().parents[1] / "prompts" / "code" / "functools.py").read_text()[:6000]
     for name, extra in ARMS.items():
-        with ServerProcess(model, args=[*base, *extra], env={"GGML_SCHED_TIMES": "16"}, timeout=600) as srv:
+        # the log kept in OUT: the contexts' last times are logged when the server stops
+        with ServerProcess(model, args=[*base, *extra], env={"GGML_SCHED_TIMES": "16"}, timeout=600,
+                           log_path=out / f"mtp-profile-{name}.log") as srv:
             status, body = srv.post("/completion", {"prompt": prompt, "n_predict": 96, "temperature": 0.0,
                                                     "cache_prompt": False, "ignore_eos": True}, timeout=600)
-            log = srv.log_text()
-        (out / f"mtp-profile-{name}.log").write_text(log)
         t = body.get("timings", {}) if status == 200 else {}
         line = {"arm": name, "status": status, "decode_tps": t.get("predicted_per_second"),
                 "draft_n": t.get("draft_n"), "draft_n_accepted": t.get("draft_n_accepted")}
