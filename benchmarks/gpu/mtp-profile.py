@@ -24,7 +24,7 @@ def main() -> int:
         return 2
     model, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    base = ["-ngl", "99", "--cpu-moe", "--no-repack", "-lm", "none", "-c", "16384", "-np", "1", "--fit", "off",
+    base = ["-ngl", "99", "--cpu-moe", "--no-repack", "-lm", "none", "-c", "16384", "-np", "1", "--fit", "off", "-lv", "4",
             *sys.argv[3:]]
     prompt = (Path(__file__).resolve().parents[1] / "prompts" / "code" / "functools.py").read_text()[:6000]
     for name, extra in ARMS.items():
