@@ -25,7 +25,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -356,6 +356,26 @@ def prior_hit_rate(slots: int, n_expert: int) -> float:
     return min(1.0, (max(0, slots) / max(1, n_expert)) ** 0.5)
 
 
+def expected_hit_rate(req: Request, slots: int, n_expert: int, below_layer: int | None = None,
+                      replayed: dict | None = None) -> tuple[float, str]:
+    """The share of routed experts `slots` per layer hold, and where it comes from: replayed from the user's
+    trace (all layers; `replayed` keeps replays by (trace, slots)), else the expert profile of earlier runs
+    (over the layers before `below_layer`), else the prior."""
+    if req.trace is not None:
+        key = (str(req.trace), slots)
+        replayed = {} if replayed is None else replayed
+        if key not in replayed:
+            from .cache_sim import load_trace, simulate
+
+            replayed[key] = float(simulate(load_trace(req.trace), slots)["hit_rate"])
+        return replayed[key], f"replayed {req.trace}"
+    if req.profile is not None:
+        h = profile_hit_rate(req.profile, slots, n_expert, below_layer)
+        if h is not None:
+            return h, f"the expert profile of earlier runs (the top-{slots} share per layer)"
+    return prior_hit_rate(slots, n_expert), PRIOR_SOURCE
+
+
 @dataclass
 class Residency:
     """Per layer, whole experts in VRAM against cache slots, by the decode cost model (CPU_LAYER_S): the last
@@ -449,7 +469,7 @@ class Plan:
     host_test_device: bool = False
     measured: dict | None = None  # measure_rates(): the planned server's own prefill and decode here
     residency: Residency | None = None  # place_layers(): whole experts in VRAM against slots, per layer
-    _replayed: tuple | None = field(default=None, repr=False, compare=False)  # ((trace, slots), hit rate)
+    _replayed: dict = field(default_factory=dict, repr=False, compare=False)  # (trace, slots) -> hit rate
 
     @property
     def whole_layers(self) -> int:
@@ -457,23 +477,11 @@ class Plan:
         return self.residency.resident if self.residency and self.request.n_cpu_moe is not None else 0
 
     def hit_rate(self) -> tuple[float, str]:
-        """The share of routed experts the slots hold: replayed from the user's trace, else from the expert
-        profile of earlier runs, else the prior (prior_hit_rate) the per-layer placement uses too."""
+        """The share of routed experts the slots hold (expected_hit_rate, over the cached layers)."""
         if self.slots <= 0:
             return 0.0, "no cache"
-        if self.request.trace is not None:
-            key = (str(self.request.trace), self.slots)
-            if self._replayed is None or self._replayed[0] != key:  # rates() runs for the table and the JSON
-                from .cache_sim import load_trace, simulate
-
-                r = simulate(load_trace(self.request.trace), self.slots)
-                self._replayed = (key, float(r["hit_rate"]))
-            return self._replayed[1], f"replayed {self.request.trace}"
-        if self.request.profile is not None:
-            h = profile_hit_rate(self.request.profile, self.slots, self.n_expert, self.request.n_cpu_moe)
-            if h is not None:
-                return h, f"the expert profile of earlier runs (the top-{self.slots} share per layer)"
-        return prior_hit_rate(self.slots, self.n_expert), PRIOR_SOURCE
+        # rates() runs for the table and the JSON: a trace is replayed once per slot count
+        return expected_hit_rate(self.request, self.slots, self.n_expert, self.request.n_cpu_moe, self._replayed)
 
     def rates(self) -> Rates | None:
         return rate_bounds(self, self.request.bandwidth) if self.request.bandwidth else None
@@ -798,35 +806,23 @@ def place_layers(plan: Plan, environ: Mapping[str, str] | None = None, binary: P
     replayed: dict = {}
 
     def hit_at(slots: int, below_layer: int) -> tuple[float, str]:
-        if req.trace is not None:
-            if slots not in replayed:
-                from .cache_sim import load_trace, simulate
-
-                replayed[slots] = float(simulate(load_trace(req.trace), slots)["hit_rate"])
-            return replayed[slots], f"replayed {req.trace}"
-        if req.profile is not None:
-            h = profile_hit_rate(req.profile, slots, plan.n_expert, below_layer)
-            if h is not None:
-                return h, "the expert profile of earlier runs"
-        return prior_hit_rate(slots, plan.n_expert), PRIOR_SOURCE
+        return expected_hit_rate(req, slots, plan.n_expert, below_layer, replayed)
 
     r = choose_residency(d, plan.n_expert, plan.n_expert_used, req.users, bw, hit_at, bank_min, plan.n_layer)
     if r is None or r.resident == 0:
         plan.residency = r  # every layer cached is the model's choice
         return plan
-    from dataclasses import replace as _replace
-
     try:
-        placed = make_plan(_replace(req, n_cpu_moe=plan.n_layer - r.resident), environ, binary, whole_checked=True)
+        placed = make_plan(replace(req, n_cpu_moe=plan.n_layer - r.resident), environ, binary, whole_checked=True)
     except PlanError as e:
         plan.notes.append(f"every layer cached: the placement with {r.resident} layers whole could not be probed ({e})")
         return plan
-    if not placed.slots or (plan.prefill_ubatch and not placed.prefill_ubatch):
-        plan.notes.append(f"every layer cached: with {r.resident} layers whole the probe left "
-                          f"{placed.slots} slots{'' if placed.prefill_ubatch or not plan.prefill_ubatch else ' and no prefill-phase swap'}")
+    lost_swap = bool(plan.prefill_ubatch) and not placed.prefill_ubatch
+    if not placed.slots or lost_swap:
+        plan.notes.append(f"every layer cached: with {r.resident} layers whole the probe left {placed.slots} slots"
+                          + (" and no prefill-phase swap" if lost_swap else ""))
         return plan
     placed.residency = r
-    placed.measured = plan.measured
     return placed
 
 

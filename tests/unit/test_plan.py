@@ -511,7 +511,7 @@ def test_skewed_routing_caches_more_layers_than_flat_routing(fake_probe, tmp_pat
 
     flat = placed(model, swap=False, profile=profile([100] * 128)).residency
     skewed = placed(model, swap=False, profile=profile([1000] * 16 + [1] * 112)).residency
-    assert flat.hit_source == skewed.hit_source == "the expert profile of earlier runs"
+    assert all(r.hit_source.startswith("the expert profile of earlier runs") for r in (flat, skewed))
     assert skewed.resident < flat.resident
     assert skewed.hit_rate > 0.9 and flat.hit_rate < 0.5
 
