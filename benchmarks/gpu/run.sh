@@ -292,10 +292,14 @@ while [ $i -lt ${#phases[@]} ]; do
         targs=${CPU_TYPES_ARGS:-"-t 16 -n 32 -m graph --hugepages"}
         : > "$out/cpu-types.jsonl"
         for t in ${CPU_TYPES:-q4_0 q4_K q5_K q6_K q8_0 iq4_xs mxfp4}; do
-            for flat in 0 1; do
+            # the stock split, the flat split, and the layout llama-server's defaults repack the CPU's experts to
+            # (the comparison a user makes: its CPU layers run repacked, the cache's misses cannot)
+            for mode in flat=0 flat=1 repack; do
+                extra=(); flat=0
+                case $mode in flat=1) flat=1 ;; repack) extra=(--repack) ;; esac
                 # shellcheck disable=SC2086 # the flags are word lists
-                GGML_CPU_MMID_FLAT=$flat "$mb" $targs --type "$t" 2>> "$out/cpu-types.err" | tee -a "$out/cpu-types.jsonl" \
-                    | python3 -c 'import json, sys; [print("cpu-types: %(type)s t=%(threads)d flat=%(mmid_flat)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
+                GGML_CPU_MMID_FLAT=$flat "$mb" $targs --type "$t" "${extra[@]}" 2>> "$out/cpu-types.err" | tee -a "$out/cpu-types.jsonl" \
+                    | python3 -c 'import json, sys; [print("cpu-types: %(type)s t=%(threads)d flat=%(mmid_flat)d repack=%(repack)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
                     | tee -a "$out/run.log" || { tail -20 "$out/cpu-types.err"; failed=1; }
             done
         done
