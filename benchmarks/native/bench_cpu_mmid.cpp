@@ -20,7 +20,7 @@
 // (ggml_backend_cpu_set_mmid_flat, ggml_backend_cpu_set_dot_x4, found by name as llama.cpp finds them);
 // --hugepages asks the CPU buffer for transparent huge pages (the switch behind --host-hugepages); --repack puts the
 // weights in the CPU's repack buffer (the layout and kernels the CPU takes by default, which the hot-expert
-// cache cannot upload from).
+// cache cannot upload from); exit status 3 where this CPU has no repacked layout for the type.
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
 //                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]
@@ -260,6 +260,14 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "bench-cpu-mmid: cannot allocate %.2f GiB of weights (lower -l)\n",
             (double) n_layer*3*ggml_nbytes(gate[0])/(1u << 30));
         return 1;
+    }
+    // the repack buffer gives a tensor its repacked layout (tensor->extra) only where this CPU has one for the
+    // type; llama-server keeps the others in the GGUF layout, and setting them through the buffer would crash
+    if (repacked && all[0]->extra == nullptr) {
+        fprintf(stderr, "bench-cpu-mmid: --repack: this CPU has no repacked layout for %s (llama-server keeps it in the GGUF layout)\n",
+            ggml_type_name(wtype));
+        ggml_backend_buffer_free(wbuf);
+        return 3;
     }
     fill_blocks(all, wtype, seed, repacked);
     // the bytes a token reads: n_used experts' rows of the three matrices in every layer

@@ -426,7 +426,7 @@ class Context:
 
     The CPU's experts at decode (off by default, CPU_EXPERT_OPTIONS; the same results either way): with
     `cpu_experts_flat` each CPU thread computes one run of a token's experts' rows instead of a slice of every
-    expert (LLAMA_ARG_CPU_EXPERTS_FLAT); with `cpu_experts_x4` it computes four Q4_0 rows' dot products at once
+    expert (LLAMA_ARG_CPU_EXPERTS_FLAT); with `cpu_experts_x4` it computes four Q4_0 or MXFP4 rows' dot products at once
     (LLAMA_ARG_CPU_EXPERTS_X4), where the experts keep the GGUF layout (`pinned=True` or `repack=False`; repacked
     experts keep their own kernels). Both apply to experts computed on the CPU (in host memory, the expert
     cache's misses); together they read those experts up to twice as fast.

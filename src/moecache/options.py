@@ -171,7 +171,7 @@ CPU_EXPERT_OPTIONS: dict[str, FeatureOption] = {
         "experts computed on the CPU one token at a time: one run of the experts' rows per thread", boolean=True),
     "cpu_experts_x4": FeatureOption(
         "--cpu-experts-x4", "LLAMA_ARG_CPU_EXPERTS_X4", (), False, None, None,
-        "experts computed on the CPU one token at a time: four Q4_0 rows' dot products at once", boolean=True),
+        "experts computed on the CPU one token at a time: four Q4_0 or MXFP4 rows' dot products at once", boolean=True),
 }
 
 # --- llama-server only: the server's slots, speculation, probes (no Python parameter) ---

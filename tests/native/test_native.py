@@ -142,6 +142,39 @@ def test_the_flat_split_is_exact_for_the_types_real_files_use():
     assert len({tuple(v) for v in sums.values()}) == len(FILE_TYPES), sums
 
 
+def test_the_four_row_dots_are_exact_for_mxfp4():
+    """gpt-oss's MXFP4 experts have a four-row kernel too (GGML_CPU_DOT_X4=1, x86 with AVX2): with it, alone and
+    with the flat split, the outputs' checksum is the one-row kernel's, bit for bit, with an even count of
+    blocks per row and an odd one (the scalar tail; checked to fail with two rows' results swapped), and the
+    backend's line names the four-row dot for MXFP4 while other types (Q8_0) keep the one-row kernel."""
+    import json
+    import os
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the four-row MXFP4 kernel is x86's")
+    exe = binary("bench-cpu-mmid")
+    for d in ("512", "544"):  # 16 and 17 blocks of 32 per row
+        sums, said = {}, {}
+        for flat, x4 in (("0", "0"), ("0", "1"), ("1", "1")):
+            r = subprocess.run([str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "256", "-d", d, "-n", "3",
+                                "-t", "1,2", "-m", "graph", "--type", "mxfp4"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "GGML_CPU_MMID_FLAT": flat, "GGML_CPU_DOT_X4": x4})
+            assert r.returncode == 0, r.stderr[-2000:]
+            sums[flat, x4] = [json.loads(line)["checksum"] for line in r.stdout.splitlines() if line.startswith("{")]
+            said[flat, x4] = re.findall(r"one token's experts \(mxfp4\): (\w+) split of rows, ([\w-]+) dot", r.stderr)
+        assert len(sums["0", "0"]) == 2 and sums["0", "0"] == sums["0", "1"] == sums["1", "1"], (d, sums)
+        assert said["0", "1"] == [("stock", "four-row")] and said["1", "1"] == [("flat", "four-row")], said
+    r = subprocess.run([str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "256", "-d", "512", "-n", "3", "-t", "1",
+                        "-m", "graph", "--type", "q8_0"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "GGML_CPU_MMID_FLAT": "1", "GGML_CPU_DOT_X4": "1"})
+    assert r.returncode == 0 and "(q8_0): flat split of rows, one-row dot" in r.stderr, r.stderr[-2000:]
+    # x86 has no repacked layout for Q5_K: the tool says so (exit status 3) where it used to crash
+    r = subprocess.run([str(exe), "-l", "1", "-n", "1", "-t", "1", "-m", "graph", "--type", "q5_K", "--repack"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3 and "no repacked layout for q5_K" in r.stderr, (r.returncode, r.stderr[-2000:])
+
+
 def test_the_cpu_mmid_bench_names_a_bad_argument():
     assert_usage_error("bench-cpu-mmid", ["-t", "4,x"], "not a list of positive integers")
     assert_usage_error("bench-cpu-mmid", ["-m", "graph,fast"], "'fast' is not a mode")
