@@ -162,18 +162,34 @@ class Device:
 
 @dataclass
 class Bandwidth:
-    """Bytes per second: host memory read by the CPU threads, a GPU's own memory, pinned host to GPU."""
+    """Bytes per second: host memory read by the CPU threads, a GPU's own memory, pinned host to GPU; and, where
+    measured (measure_cpu_experts), the rate at which the CPU's kernels stream this model's experts at decode in
+    moecache's layout (the GGUF layout with the CPU's switches) and in the layout llama-server's defaults run
+    its CPU layers in (repacked where the CPU has a repacked layout for the type). 0: not measured, the host
+    read stands for them."""
     host_read: float
     device: float
     host_to_device: float
     source: str = "given"
+    cpu_experts: float = 0.0
+    cpu_experts_stock: float = 0.0
 
     def usable(self) -> bool:
         return min(self.host_read, self.device, self.host_to_device) > 0
 
+    def cpu_read(self) -> float:
+        """How fast the CPU computes the experts moecache leaves it (its misses, its CPU layers)."""
+        return min(self.host_read, self.cpu_experts) if self.cpu_experts > 0 else self.host_read
+
+    def cpu_read_stock(self) -> float:
+        """How fast llama-server's defaults compute the experts of their CPU layers."""
+        return min(self.host_read, self.cpu_experts_stock) if self.cpu_experts_stock > 0 else self.cpu_read()
+
     def text(self) -> str:
+        cpu = (f", the CPU's experts {self.cpu_experts / 1e9:.1f} GB/s (llama-server's layout "
+               f"{self.cpu_experts_stock / 1e9:.1f})" if self.cpu_experts > 0 else "")
         return (f"host read {self.host_read / 1e9:.1f} GB/s, GPU memory {self.device / 1e9:.0f} GB/s, "
-                f"host to GPU {self.host_to_device / 1e9:.1f} GB/s ({self.source})")
+                f"host to GPU {self.host_to_device / 1e9:.1f} GB/s{cpu} ({self.source})")
 
 
 def measure_bandwidth(device: str, mib: int = 1024, reps: int = 3, threads: int | None = None) -> Bandwidth:
@@ -214,21 +230,146 @@ def add_bandwidth(plan: "Plan", spec: str | None = "auto") -> None:
         plan.request.bandwidth = measure_bandwidth_apart("CPU" if plan.host_test_device else plan.devices[0].name)
     except PlanError as e:
         plan.notes.append(f"the bandwidths could not be measured, so the misses stay on the CPU: {e}")
+        return
+    add_cpu_experts(plan.request.bandwidth, plan.request.model, plan.notes)
+
+
+def add_cpu_experts(bw: Bandwidth, model: Path, notes: list[str] | None = None) -> None:
+    """Measure how fast this CPU's kernels stream the model's experts (measure_cpu_experts) into `bw`; where that
+    cannot be measured, a note says so and the host read stands for it."""
+    try:
+        ce = measure_cpu_experts(model)
+    except (PlanError, OSError, ValueError) as e:  # ValueError: a GGUF the reader refuses
+        if notes is not None:
+            notes.append(f"the CPU's expert kernels were not timed, so the host read stands for them: {e}")
+        return
+    bw.cpu_experts, bw.cpu_experts_stock = ce.ours, ce.stock
+    bw.source += f"; the CPU's experts: {ce.text}"
+
+
+# The types bench-cpu-mmid builds experts of (the types real files keep their experts in)
+CPU_EXPERT_TYPES = ("q4_0", "q8_0", "q4_K", "q5_K", "q6_K", "iq4_xs", "mxfp4")
+CPU_EXPERTS_BENCH_BYTES = 2 << 30  # the experts the timing allocates, at most (random, so read from DRAM)
+
+
+@dataclass
+class CpuExperts:
+    ours: float    # bytes/s: the GGUF layout with the CPU's switches (huge pages, flat split, four-row dots)
+    stock: float   # bytes/s: llama-server's defaults (repacked where this CPU has a layout for the type)
+    text: str
+
+
+def expert_shapes(model: Path) -> dict[str, tuple[int, int, int, int]]:
+    """The routed experts' tensors of a GGUF by type: {type name: (bytes, n_embd, n_ff, n_expert)}, from the first
+    MoE layer's ffn_{gate,up,down,gate_up}_exps (bytes over all layers)."""
+    from .gguf import GGUFReader, GGMLType
+
+    r = GGUFReader(model)
+    shapes: dict[str, tuple[int, int, int, int]] = {}
+    for t in r.tensors:
+        kind = t.name.rsplit(".", 2)[-2] if t.name.count(".") >= 2 else ""
+        if kind not in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps") or len(t.shape) != 3:
+            continue
+        name = GGMLType(t.type).name.lower().replace("_k", "_K")
+        n_embd, n_ff = (t.shape[1], t.shape[0]) if kind == "ffn_down_exps" else (t.shape[0], t.shape[1])
+        if kind == "ffn_gate_up_exps":
+            n_ff //= 2
+        had = shapes.get(name)
+        shapes[name] = (t.nbytes + (had[0] if had else 0), *(had[1:] if had else (n_embd, n_ff, t.shape[2])))
+    return shapes
+
+
+def measure_cpu_experts(model: Path, threads: int | None = None, n_used: int | None = None,
+                        binary_path: Path | None = None) -> CpuExperts:
+    """Time this CPU's kernels on the model's expert shapes and types at decode (bench-cpu-mmid: random experts
+    of one token, 16 tokens, in one graph), as moecache runs them (GGUF layout, huge pages, flat split,
+    four-row dots) and as llama-server's defaults do (repacked where the CPU has a layout for the type, else
+    the GGUF layout and the stock split). A model of several expert types (Q4_K_M's Q4_K and Q6_K) takes the
+    bytes-weighted time of each. About a second per type and layout; PlanError where it cannot be timed."""
+    from .api import physical_cores
+    from .gguf import GGUFReader
+
+    shapes = expert_shapes(model)
+    if not shapes:
+        raise PlanError("no routed experts' tensors found in the model")
+    unknown = sorted(set(shapes) - set(CPU_EXPERT_TYPES))
+    if unknown:
+        raise PlanError(f"no CPU expert timing for {', '.join(unknown)} (timed: {', '.join(CPU_EXPERT_TYPES)})")
+    if n_used is None:
+        r = GGUFReader(model)
+        n_used = next((int(kv.value) for k, kv in r.kv.items() if k.endswith(".expert_used_count")), 8)
+    exe = binary_path or _bench_binary()
+    threads = threads or physical_cores()
+    total = sum(b for b, *_ in shapes.values())
+    t_ours = t_stock = 0.0
+    parts = []
+    for name, (nbytes, n_embd, n_ff, n_expert) in sorted(shapes.items(), key=lambda kv: -kv[1][0]):
+        per_expert = 3 * n_embd * n_ff * _type_bytes_per_weight(name)
+        e = n_expert if 2 * n_expert * per_expert <= CPU_EXPERTS_BENCH_BYTES else \
+            max(min(n_expert, 4 * n_used), int(CPU_EXPERTS_BENCH_BYTES // (2 * per_expert)))
+        layers = int(max(2, min(8, CPU_EXPERTS_BENCH_BYTES // max(1.0, e * per_expert))))
+        base = [str(exe), "-l", str(layers), "-e", str(e), "-u", str(min(n_used, e)), "-f", str(n_ff), "-d", str(n_embd),
+                "-n", "16", "-t", str(threads), "-m", "graph", "--type", name]
+        ours = _bench_gb_s(base + ["--hugepages", "--flat", "--x4"])
+        stock = _bench_gb_s(base + ["--repack"], repack=True)
+        repacked = stock is not None
+        if stock is None:
+            stock = _bench_gb_s(base)
+        share = nbytes / total
+        t_ours += share / ours
+        t_stock += share / stock
+        parts.append(f"{name} {ours / 1e9:.1f} GB/s (llama-server's {'repacked' if repacked else 'GGUF'} layout "
+                     f"{stock / 1e9:.1f})")
+    return CpuExperts(1.0 / t_ours, 1.0 / t_stock, f"{', '.join(parts)}, {threads} threads")
+
+
+def _type_bytes_per_weight(name: str) -> float:
+    from .gguf import GGMLType, tensor_nbytes
+
+    t = GGMLType[name.upper()]
+    return tensor_nbytes((256,), t) / 256
+
+
+def _bench_binary() -> Path:
+    from .paths import binary
+
+    try:
+        return binary("bench-cpu-mmid")
+    except FileNotFoundError as e:
+        raise PlanError(str(e)) from None
+
+
+def _bench_gb_s(args: list[str], repack: bool = False) -> float | None:
+    """The rate (bytes/s) of one bench-cpu-mmid run at its fastest token (the best of its tokens, as the host read
+    is the best of its repetitions: what the machine does when nothing else runs); None for --repack where the
+    CPU has no repacked layout for the type (exit status 3)."""
+    try:
+        r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise PlanError(f"{Path(args[0]).name} took more than 120 s") from None
+    if repack and r.returncode == 3:
+        return None
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")] if r.returncode == 0 else []
+    if not rows or not all(float(x.get("ms_min", 0)) > 0 and float(x.get("gb_per_token", 0)) > 0 for x in rows):
+        raise PlanError(f"{Path(args[0]).name} failed (exit status {r.returncode}): {r.stderr.strip()[-300:]}")
+    return max(float(x["gb_per_token"]) * 1e9 / (float(x["ms_min"]) * 1e-3) for x in rows)
 
 
 def parse_bandwidth(text: str) -> Bandwidth:
-    """host=GB/s,device=GB/s,h2d=GB/s"""
+    """host=GB/s,device=GB/s,h2d=GB/s[,cpu=GB/s[,cpu-stock=GB/s]] (cpu: the CPU's expert kernels in moecache's
+    layout; cpu-stock: in llama-server's; see Bandwidth)"""
     values = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
         key = key.strip()
-        if key not in ("host", "device", "h2d") or not value:
-            raise ValueError(f"expected host=GB/s,device=GB/s,h2d=GB/s (got {text!r})")
+        if key not in ("host", "device", "h2d", "cpu", "cpu-stock") or not value:
+            raise ValueError(f"expected host=GB/s,device=GB/s,h2d=GB/s[,cpu=GB/s[,cpu-stock=GB/s]] (got {text!r})")
         values[key] = float(value) * 1e9
     missing = {"host", "device", "h2d"} - set(values)
     if missing:
         raise ValueError(f"--bandwidth needs host, device and h2d (missing: {', '.join(sorted(missing))})")
-    return Bandwidth(values["host"], values["device"], values["h2d"])
+    return Bandwidth(values["host"], values["device"], values["h2d"], cpu_experts=values.get("cpu", 0.0),
+                     cpu_experts_stock=values.get("cpu-stock", 0.0))
 
 
 # The decode cost model. A layer whose routed experts (or a cached layer's misses) run on the CPU costs per
@@ -270,22 +411,22 @@ def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float, layer_s: f
     if bw is None or not bw.usable():
         return MissPlacement("cpu", None, None, "misses on the CPU (no link bandwidth measured to weigh the GPU's "
                                                 "path against)")
-    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.host_read
+    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.cpu_read()
     extra = layer_routed_bytes * (1.0 / link - 1.0 / cpu)  # s per layer, all of its routed experts missed
     if extra <= 0 or layer_s / extra >= 1.0:
         return MissPlacement("gpu", None, None if extra <= 0 else layer_s / extra,
                              f"misses on the GPU: over the link ({bw.host_to_device / 1e9:.1f} GB/s) a layer's "
                              f"missed experts cost less than a CPU layer ({layer_s * 1e6:.0f} us) and its "
-                             f"read ({bw.host_read / 1e9:.1f} GB/s), at any hit rate")
+                             f"read ({cpu / 1e9:.1f} GB/s), at any hit rate")
     crossover = layer_s / extra
     pct = int(round(100 * crossover))
     if pct < MISS_GPU_MIN_PCT:
         return MissPlacement("cpu", None, crossover,
-                             f"misses on the CPU: it reads host memory at {bw.host_read / 1e9:.1f} GB/s against the "
+                             f"misses on the CPU: it reads their experts at {cpu / 1e9:.1f} GB/s against the "
                              f"link's {bw.host_to_device / 1e9:.1f} GB/s")
     return MissPlacement("auto", pct, crossover,
                          f"a layer's misses on the GPU while at most {pct}% of its routed experts miss, else on the "
-                         f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, CPU read {bw.host_read / 1e9:.1f} GB/s, "
+                         f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, CPU read {cpu / 1e9:.1f} GB/s, "
                          f"a CPU layer {layer_s * 1e6:.0f} us)")
 
 
@@ -311,7 +452,7 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
     miss = plan.miss()
     gpu = miss.mode == "gpu" or (miss.mode == "auto" and miss.crossover is not None and 1 - h <= miss.crossover)
     t_decode = (dense / bw.device + h * expert_token / bw.device
-                + (1 - h) * expert_token / (bw.host_to_device if gpu else bw.host_read))
+                + (1 - h) * expert_token / (bw.host_to_device if gpu else bw.cpu_read()))
     t_ubatch = plan.host_model / bw.host_to_device
     return Rates(h, source, 1.0 / t_decode, plan.request.ubatch / t_ubatch,
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
@@ -404,7 +545,7 @@ def layer_step_s(bw: Bandwidth, expert_bytes: float, experts: float, hit: float)
     step's tokens), `hit` of them in slots; the misses where they cost less: the CPU (a CPU layer plus their
     read) or the GPU (their read over the link)."""
     missed = experts * (1.0 - hit) * expert_bytes
-    return min(CPU_LAYER_S + missed / bw.host_read, missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE))
+    return min(CPU_LAYER_S + missed / bw.cpu_read(), missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE))
 
 
 def routed_per_step(n_expert: int, n_used: int, users: int) -> float:
@@ -447,7 +588,8 @@ def choose_residency(d: "Device", n_expert: int, n_used: int, users: int, bw: Ba
     if best is None:
         return None
     fit_resident = min(n, int(max(0, free) // layer))
-    fit = (n - fit_resident) * (CPU_LAYER_S + routed * per / bw.host_read)  # its CPU layers: no cache, no GPU misses
+    # its CPU layers: no cache, no GPU misses, its own layout of the experts (repacked where the CPU has one)
+    fit = (n - fit_resident) * (CPU_LAYER_S + routed * per / bw.cpu_read_stock())
     best.all_cached_s = all_cached if all_cached is not None else best.step_s
     best.fit_s = fit
     best.candidates = tried
@@ -532,6 +674,7 @@ class Plan:
         return {"decode_bound": r.decode, "prefill_bound": r.prefill, "prefill_swap_bound": r.prefill_swap,
                 "hit_rate": r.hit_rate, "hit_rate_source": r.hit_source,
                 "bandwidth": {"host_read": bw.host_read, "device": bw.device, "host_to_device": bw.host_to_device,
+                              "cpu_experts": bw.cpu_experts, "cpu_experts_stock": bw.cpu_experts_stock,
                               "source": bw.source}}
 
     def summary(self) -> tuple[str, str]:
@@ -949,8 +1092,10 @@ def build_parser(prog: str = "moecache plan") -> argparse.ArgumentParser:
     p.add_argument("--no-swap", dest="swap", action="store_false", help="plan without the prefill-phase swap")
     p.add_argument("--bandwidth", default="auto", metavar="auto|none|host=GB/s,device=GB/s,h2d=GB/s",
                    help="the bandwidths of the decode cost model (per layer, whole experts against slots; where "
-                        "the misses run) and of the rate bounds: measured on this machine (auto, a few seconds), "
-                        "given, or none (every layer cached, misses on the CPU, no rates)")
+                        "the misses run) and of the rate bounds: measured on this machine (auto, a few seconds: "
+                        "the host's read, the link, and the CPU's kernels on the model's expert types), given "
+                        "(add cpu=GB/s and cpu-stock=GB/s for the CPU's expert kernels in moecache's layout and in "
+                        "llama-server's), or none (every layer cached, misses on the CPU, no rates)")
     p.add_argument("--trace", type=Path, default=None,
                    help="a routing trace of your traffic (--moe-routing-trace): the hit rate at the planned slots "
                         "is replayed from it (default: the expert profile of earlier runs, else a prior: the "
@@ -991,6 +1136,9 @@ def main(argv: list[str] | None = None, prog: str = "moecache plan") -> int:
                 device = "CPU" if plan.host_test_device else plan.devices[0].name
                 print(f"{prog}: measuring bandwidths ({device or 'host only'}) ...", file=sys.stderr, flush=True)
                 req.bandwidth = measure_bandwidth_apart(device)  # its CUDA context must not stay beside --measure's server
+                if not plan.host_test_device:
+                    print(f"{prog}: timing the CPU's expert kernels ...", file=sys.stderr, flush=True)
+                    add_cpu_experts(req.bandwidth, req.model, plan.notes)
         elif a.bandwidth != "none":
             req.bandwidth = parse_bandwidth(a.bandwidth)
         plan = place_layers(plan)  # per layer, whole experts against slots, where bandwidths weigh them

@@ -104,8 +104,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="the bandwidths the plan's decode cost model weighs, per layer, whole experts in VRAM "
                         "against cache slots and where the misses run (the CPU reading host memory against the "
                         "GPU reading it over the link): auto (default) measures them at start when the plan has a "
-                        "cache (a few seconds), none caches every layer and leaves the misses on the CPU, "
-                        "host=GB/s,device=GB/s,h2d=GB/s gives them (env: LLAMA_ARG_PLAN_BANDWIDTH)")
+                        "cache (a few seconds: the host's read, the link, the CPU's kernels on the model's expert "
+                        "types), none caches every layer and leaves the misses on the CPU, "
+                        "host=GB/s,device=GB/s,h2d=GB/s[,cpu=GB/s,cpu-stock=GB/s] gives them "
+                        "(env: LLAMA_ARG_PLAN_BANDWIDTH)")
     return p
 
 

@@ -498,6 +498,55 @@ def test_layers_stay_whole_in_vram_where_the_cost_model_says_so(fake_probe):
     assert f"{48 - r.resident:>6}" in next(l for l in p.render().splitlines() if l.endswith("<-"))
 
 
+def test_the_cpu_expert_kernels_rates_enter_the_cost_model(fake_probe):
+    """The cost model reads the CPU's experts at the rate its kernels stream them (the GGUF layout with the
+    switches; gpt-oss's MXFP4 one-row kernel may stay far below the host's read) and llama-server's --fit layers
+    at the rate of its own layout: where moecache's kernels are slower, every placement with CPU work costs
+    more and the misses move to the link sooner; where only llama-server's layout is slower, --fit's modelled
+    cost rises and moecache's placements do not change."""
+    model = fake_probe(answer_layers())
+    base = placed(model, swap=False).residency
+    slow = placed(model, bandwidth=H100 + ",cpu=30", swap=False).residency
+    slow_stock = placed(model, bandwidth=H100 + ",cpu-stock=30", swap=False).residency
+    # moecache's CPU slower: every placement with CPU work costs more, and the misses lean to the link
+    assert slow.step_s > base.step_s and slow.all_cached_s >= base.all_cached_s and slow.fit_s > base.fit_s
+    routed = 8 * EXPERT_30B
+    assert (planmod.miss_placement(planmod.parse_bandwidth(H100 + ",cpu=30"), routed).crossover
+            > planmod.miss_placement(planmod.parse_bandwidth(H100), routed).crossover)
+    # only llama-server's layout slower: its --fit costs more, moecache's own placements do not change
+    assert slow_stock.resident == base.resident and slow_stock.step_s == pytest.approx(base.step_s)
+    assert slow_stock.fit_s > base.fit_s and slow_stock.all_cached_s == pytest.approx(base.all_cached_s)
+    bw = planmod.parse_bandwidth(H100 + ",cpu=30")
+    assert bw.cpu_read() == 30e9 and bw.cpu_read_stock() == 30e9 and bw.host_read == 102.6e9
+    assert "the CPU's experts 30.0 GB/s" in bw.text()
+    # a rate above the host's read is bounded by it; none measured: the host's read
+    assert planmod.parse_bandwidth(H100 + ",cpu=500").cpu_read() == 102.6e9
+    assert planmod.parse_bandwidth(H100).cpu_read() == planmod.parse_bandwidth(H100).cpu_read_stock() == 102.6e9
+    with pytest.raises(ValueError, match="cpu-stock=GB/s"):
+        planmod.parse_bandwidth(H100 + ",gpu=3")
+
+
+def test_the_cpu_expert_kernels_are_timed_on_the_models_types(tmp_path):
+    """measure_cpu_experts runs bench-cpu-mmid on the model's expert shape and type, in moecache's layout and in
+    llama-server's, and names what it timed; a model whose expert type the bench does not build is refused
+    with the types it does."""
+    from moecache import synth
+
+    path = tmp_path / "m.gguf"
+    synth.write_model(path, preset="tiny", quant="q8_0", seed=0, progress=False, threads=2)
+    shapes = planmod.expert_shapes(path)
+    assert set(shapes) == {"q8_0"} and shapes["q8_0"][0] > 0
+    ce = planmod.measure_cpu_experts(path, threads=1)
+    assert ce.ours > 1e8 and ce.stock > 1e8 and ce.text.startswith("q8_0 ") and "1 threads" in ce.text
+    bw = planmod.Bandwidth(1e11, 1e12, 5e10)
+    planmod.add_cpu_experts(bw, path)
+    assert bw.cpu_experts > 0 and "the CPU's experts: q8_0" in bw.source
+    notes: list[str] = []
+    bw2 = planmod.Bandwidth(1e11, 1e12, 5e10)
+    planmod.add_cpu_experts(bw2, tmp_path / "missing.gguf", notes)
+    assert bw2.cpu_experts == 0 and notes and "the host read stands for them" in notes[0]
+
+
 def test_skewed_routing_caches_more_layers_than_flat_routing(fake_probe, tmp_path):
     """With an expert profile: flat counts give hits = slots / experts (whole layers pay), a few hot experts
     per layer give many hits from few slots (more layers cached)."""
