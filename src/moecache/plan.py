@@ -426,7 +426,7 @@ def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float, layer_s: f
                              f"link's {bw.host_to_device / 1e9:.1f} GB/s")
     return MissPlacement("auto", pct, crossover,
                          f"a layer's misses on the GPU while at most {pct}% of its routed experts miss, else on the "
-                         f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, CPU read {cpu / 1e9:.1f} GB/s, "
+                         f"CPU (link {bw.host_to_device / 1e9:.1f} GB/s, the CPU's experts {cpu / 1e9:.1f} GB/s, "
                          f"a CPU layer {layer_s * 1e6:.0f} us)")
 
 
