@@ -51,8 +51,8 @@ def said(log: str) -> list[str]:
 @pytest.mark.parametrize("args,env,path,lines", [
     ([], {}, [], []),
     (["--cpu-experts-flat", "--cpu-experts-x4"], {}, [("flat", "four-row")],
-     ["one run of the experts' rows per thread", "four Q4_0 rows' dot products at once"]),
-    ([], {"LLAMA_ARG_CPU_EXPERTS_X4": "1"}, [("stock", "four-row")], ["four Q4_0 rows' dot products at once"]),
+     ["one run of the experts' rows per thread", "four Q4_0 or MXFP4 rows' dot products at once"]),
+    ([], {"LLAMA_ARG_CPU_EXPERTS_X4": "1"}, [("stock", "four-row")], ["four Q4_0 or MXFP4 rows' dot products at once"]),
     (["--cpu-experts-x4", "--no-cpu-experts-x4"], {}, [], []),
 ], ids=["off", "flags", "variable", "no-flag"])
 def test_the_flags_reach_the_cpu_backend(tiny_q4_0, args, env, path, lines):
