@@ -94,7 +94,7 @@ def test_the_python_api_takes_them(core, tiny_q4_0, monkeypatch):
     on = model.context(**kw, cpu_experts_flat=True, cpu_experts_x4=True)
     tail = "\n".join(_core.log_tail(400))
     assert "the CPU's experts at decode: one run of the experts' rows per thread" in tail
-    assert "the CPU's experts at decode: four Q4_0 rows' dot products at once" in tail
+    assert "the CPU's experts at decode: four Q4_0 or MXFP4 rows' dot products at once" in tail
     monkeypatch.setenv("LLAMA_ARG_CPU_EXPERTS_X4", "on")
     by_env = model.context(**kw)
     assert [c.cpu_expert_options for c in (off, on, by_env)] == [
