@@ -260,8 +260,8 @@ class CpuExperts:
 
 
 def expert_shapes(model: Path) -> dict[str, tuple[int, int, int, int]]:
-    """The routed experts' tensors of a GGUF by type: {type name: (bytes, n_embd, n_ff, n_expert)}, from the first
-    MoE layer's ffn_{gate,up,down,gate_up}_exps (bytes over all layers)."""
+    """The routed experts' tensors of a GGUF (ffn_{gate,up,down,gate_up}_exps) by type: {type name: (bytes over all
+    layers, n_embd, n_ff, n_expert)}, the dimensions those of the type's first tensor."""
     from .gguf import GGUFReader, GGMLType
 
     r = GGUFReader(model)
