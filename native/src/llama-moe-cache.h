@@ -266,6 +266,9 @@ private:
     // queue uploads of each cached layer's most-counted experts (count(il, expert)) into its empty slots;
     // the next steps publish them. Returns the uploads queued
     size_t queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload = false);
+    // the order a warm restore fills the slots in: the prompt's routing, or with warm_blend its share plus the
+    // share of each expert in the profile's decode history (this run's and earlier ones')
+    std::function<uint64_t(int32_t, int32_t)> warm_rank() const;
     bool   has_empty_slot() const; // a cached layer has a slot no expert is assigned to
     void   load_profile();         // at the first allocation: the profile's counts warm the slots
 
@@ -303,6 +306,7 @@ private:
     bool    hold_empty  = false; // test-only: never upload
     int32_t upload_delay_ms = 0; // test-only: each upload takes this much longer
     bool    sync_uploads = false; // test-only: a step waits for the uploads in flight (deterministic hits)
+    bool    warm_blend   = true;  // warm_rank() blends in the profile's counts (LLAMA_MOE_CACHE_WARM_BLEND=0: not)
     double  host_device_mib = -1.0; // test-only: memory of the host test device in MiB, < 0 = unlimited
     double  host_device_taken_mib = 0.0; // test-only: what that device loses after the first allocation
     std::map<ggml_backend_dev_t, size_t> free_first; // free memory per device at the first allocation
