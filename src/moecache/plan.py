@@ -259,12 +259,13 @@ class CpuExperts:
     text: str
 
 
-def expert_shapes(model: Path) -> dict[str, tuple[int, int, int, int]]:
+def expert_shapes(model: "Path | GGUFReader") -> dict[str, tuple[int, int, int, int]]:
     """The routed experts' tensors of a GGUF (ffn_{gate,up,down,gate_up}_exps) by type: {type name: (bytes over all
-    layers, n_embd, n_ff, n_expert)}, the dimensions those of the type's first tensor."""
+    layers, n_embd, n_ff, n_expert)}, the dimensions those of the type's first tensor. `model`: a path, or a
+    reader already open on it."""
     from .gguf import GGUFReader, GGMLType
 
-    r = GGUFReader(model)
+    r = model if isinstance(model, GGUFReader) else GGUFReader(model)
     shapes: dict[str, tuple[int, int, int, int]] = {}
     for t in r.tensors:
         kind = t.name.rsplit(".", 2)[-2] if t.name.count(".") >= 2 else ""
@@ -289,14 +290,14 @@ def measure_cpu_experts(model: Path, threads: int | None = None, n_used: int | N
     from .api import physical_cores
     from .gguf import GGUFReader
 
-    shapes = expert_shapes(model)
+    r = GGUFReader(model)
+    shapes = expert_shapes(r)
     if not shapes:
         raise PlanError("no routed experts' tensors found in the model")
     unknown = sorted(set(shapes) - set(CPU_EXPERT_TYPES))
     if unknown:
         raise PlanError(f"no CPU expert timing for {', '.join(unknown)} (timed: {', '.join(CPU_EXPERT_TYPES)})")
     if n_used is None:
-        r = GGUFReader(model)
         n_used = next((int(kv.value) for k, kv in r.kv.items() if k.endswith(".expert_used_count")), 8)
     exe = binary_path or _bench_binary()
     threads = threads or physical_cores()
