@@ -153,6 +153,9 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
     use_tables = !env_table || atoi(env_table) != 0;
+    // LLAMA_MOE_CACHE_READBACK_ALL=0: the routed ids of layers not cached read back per layer (for comparison)
+    const char * env_rb_all = getenv("LLAMA_MOE_CACHE_READBACK_ALL");
+    read_back_all = !env_rb_all || atoi(env_rb_all) != 0;
     parse_fail_env(fail_alloc_at, fail_staging_at, fail_reserve_at, fail_upload_at, fail_map_at, fail_profile);
 
     if (params.profile && params.profile[0]) {
@@ -605,12 +608,16 @@ static const char * moe_miss_name(llama_moe_cache_miss m) {
 }
 
 void llama_moe_cache::make_readbacks() {
-    // one I32 tensor per device: each cached layer's routed ids [n_used * max_batch] in it, so one copy
-    // after the graph reads them all, into pinned memory, without a wait
+    // one I32 tensor per device: each routed layer's ids [n_used * max_batch] in it, so one copy after the
+    // graph reads them all, into pinned memory, without a wait. Not only the cached layers: a layer whose
+    // experts are whole in VRAM, or on the CPU by -ncmoe, is still counted (profile, warm restore), and a
+    // copy of its own into pageable memory cost a synchronous read per layer per token
     std::map<ggml_backend_buffer_type_t, std::vector<size_t>> by_buft;
     for (size_t il = 0; il < layers.size(); ++il) {
-        if (layers[il].cached() && layers[il].n_used > 0) {
-            by_buft[ggml_backend_dev_buffer_type(layers[il].dev)].push_back(il);
+        const auto & l = layers[il];
+        const bool on_device = l.dev && (ggml_backend_dev_type(l.dev) != GGML_BACKEND_DEVICE_TYPE_CPU || host_device);
+        if (l.n_used > 0 && l.routed[2] && (l.cached() || (on_device && read_back_all))) {
+            by_buft[ggml_backend_dev_buffer_type(l.dev)].push_back(il);
         }
     }
     for (auto & [buft, ils] : by_buft) {
@@ -656,9 +663,13 @@ void llama_moe_cache::make_readbacks() {
             continue;
         }
         aux_bytes[buft] += ggml_backend_buffer_get_size(buf);
+        int n_cached_here = 0;
         for (size_t il : ils) {
             layers[il].readback = (int32_t) readbacks.size();
+            n_cached_here += layers[il].cached() ? 1 : 0;
         }
+        LLAMA_LOG_INFO("%s: the routed ids of %zu layers (%d cached) in %s are read back in one copy per step\n",
+            __func__, ils.size(), n_cached_here, ggml_backend_buft_name(buft));
         readbacks.push_back(std::move(rb));
         aux_bufs.emplace_back(buf);
         aux_ctxs.push_back(std::move(ctx));
@@ -1002,6 +1013,13 @@ bool llama_moe_cache::is_routed(int32_t il, const ggml_tensor * up, const ggml_t
     }
     const auto & r = layers[il].routed;
     return down != nullptr && r[0] == up && r[1] == gate && r[2] == down && r[3] == gate_up;
+}
+
+ggml_tensor * llama_moe_cache::routed_ids_out(int32_t il, int64_t n_tokens) const {
+    if (il < 0 || il >= (int32_t) layers.size() || n_tokens > params.max_batch) {
+        return nullptr;
+    }
+    return layers[il].ids_out;
 }
 
 const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n_tokens, const ggml_tensor * up,

@@ -74,8 +74,9 @@ struct llama_moe_cache_layer {
     size_t        table_offset = 0;  // the layer's first entry in that device's tables
     int32_t       table_tokens = 0;
 
-    // the routed ids of cache-active graphs, [n_used * max_batch] I32 on the layer's device (a view of
-    // one tensor per device, read back in one copy)
+    // the routed ids of graphs of at most max_batch tokens, [n_used * max_batch] I32 on the layer's device
+    // (a view of one tensor per device, read back in one copy); cached layers and the other routed layers
+    // on a GPU
     ggml_tensor * ids_out = nullptr;
     int32_t       readback = -1;     // index in llama_moe_cache::readbacks
     size_t        ids_offset = 0;    // elements of ids_out into the readback's tensor
@@ -116,6 +117,10 @@ struct llama_moe_cache {
     // whether these are layer il's routed experts (not, e.g., GroveMoE's chunk experts)
     bool is_routed(int32_t il, const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
             const ggml_tensor * gate_up) const;
+
+    // where a batch of n_tokens writes layer il's routed ids for the one readback per device, else null
+    // (the graph then reads them back on their own)
+    ggml_tensor * routed_ids_out(int32_t il, int64_t n_tokens) const;
 
     // the layer's banks when batches of n_tokens use the cache for this layer and these tensors, else null
     const llama_moe_cache_layer * graph_layer(int32_t il, int64_t n_tokens, const ggml_tensor * up,
@@ -339,6 +344,7 @@ private:
     uint64_t routes_ver = 0;
     uint64_t n_steps    = 0; // step() calls: one per decode and per later ubatch of it; step_ms_total / n_steps is the mean
     bool     use_tables = true;  // LLAMA_MOE_CACHE_TABLE=0 turns the one expert FFN off
+    bool     read_back_all = true; // LLAMA_MOE_CACHE_READBACK_ALL=0: only cached layers' ids in the one readback
     int32_t  upload_boost = 1;      // this step's upload cap = max_uploads * upload_boost
     bool     capped_last  = false;  // a layer's last plan was cut by the cap
     uint64_t n_route_switches = 0;
