@@ -33,3 +33,28 @@ def test_batched_input_copies_leave_the_output_bit_identical(tiny_model, rpc_ser
     assert BATCHED in log_batched, "the device split's inputs did not take the batched copies"
     assert BATCHED not in log_one
     assert_same_outputs(one_by_one, batched)
+
+
+READ_BATCHED = "read from RPC0"
+
+
+def test_a_host_splits_reads_from_a_device_in_one_batch_leave_the_output_bit_identical(tiny_model, rpc_servers):
+    """The layers on an rpc-server with their experts on the host's CPU (--cpu-moe): each layer's CPU split
+    reads its inputs (the hidden state, the routed ids) from the device, as one batch of asynchronous reads
+    and one wait (GGML_SCHED_HOST_READ_BATCH=0: a wait and a synchronous read each); same bytes, same output."""
+    [port] = rpc_servers(1)
+    extra = ["--cpu-moe", "--no-repack"]
+
+    def run_moe(**env):
+        args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}",
+                "-ub", "32", "-lv", "5", *extra]
+        with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
+            outs = [complete(srv, p * 3, n_predict=24) for p in PROMPTS]
+            log = srv.log_text()
+        return outs, log
+
+    batched, log_batched = run_moe()
+    apart, log_apart = run_moe(GGML_SCHED_HOST_READ_BATCH="0")
+    assert READ_BATCHED in log_batched, "the CPU splits' inputs were not read in one batch"
+    assert READ_BATCHED not in log_apart
+    assert_same_outputs(apart, batched)
