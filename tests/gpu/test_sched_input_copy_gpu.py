@@ -39,3 +39,18 @@ def test_batched_input_copies_on_cuda_leave_the_output_bit_identical(models, nam
     assert lines and "CUDA0" in lines[0], lines
     assert BATCHED not in log_one
     assert_same_outputs(one_by_one, batched)
+
+
+def test_a_cpu_splits_reads_from_cuda_in_one_batch_leave_the_output_bit_identical(models):
+    """The demo model's experts on the CPU: each layer's CPU split reads the hidden state and the routed
+    ids from CUDA0 as reads queued on its stream and one wait (GGML_SCHED_HOST_READ_BATCH=0: each on its own)."""
+    runs = []
+    for env in ({}, {"GGML_SCHED_HOST_READ_BATCH": "0"}):
+        with ServerProcess(models["demo"], args=BASE + ARGS["demo"], env=env, timeout=300) as srv:
+            outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
+            runs.append((outs, srv.log_text()))
+    (batched, log_batched), (apart, log_apart) = runs
+    lines = [ln for ln in log_batched.splitlines() if "read from CUDA0 in one batch" in ln]
+    assert lines and "to CPU" in lines[0], lines
+    assert "in one batch" not in "".join(ln for ln in log_apart.splitlines() if "read from" in ln)
+    assert_same_outputs(apart, batched)
