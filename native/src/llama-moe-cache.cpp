@@ -156,6 +156,12 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // LLAMA_MOE_CACHE_READBACK_ALL=0: the routed ids of layers not cached read back per layer (for comparison)
     const char * env_rb_all = getenv("LLAMA_MOE_CACHE_READBACK_ALL");
     read_back_all = !env_rb_all || atoi(env_rb_all) != 0;
+    // LLAMA_MOE_CACHE_DEVICE_MAPS=0: the maps as the graphs' input, as before (for comparison)
+    const char * env_dev_maps = getenv("LLAMA_MOE_CACHE_DEVICE_MAPS");
+    device_maps = !env_dev_maps || atoi(env_dev_maps) != 0;
+    // LLAMA_MOE_CACHE_MAPS_CHECK=1 (tests): after each flush, the device's maps read back and compared with the host's
+    const char * env_maps_check = getenv("LLAMA_MOE_CACHE_MAPS_CHECK");
+    maps_check = env_maps_check && atoi(env_maps_check) != 0;
     parse_fail_env(fail_alloc_at, fail_staging_at, fail_reserve_at, fail_upload_at, fail_map_at, fail_profile);
 
     if (params.profile && params.profile[0]) {
@@ -306,8 +312,10 @@ void llama_moe_cache::stop(const char * why) {
         l.table_tokens = 0;
         l.ids_out = nullptr;
         l.readback = -1;
+        l.maps = nullptr;
     }
     readbacks.clear();
+    maps_dev.clear();
     tables.clear();
     aux_bufs.clear(); // unlocks the host pages of the mapped experts
     aux_ctxs.clear();
@@ -538,6 +546,9 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         aux_made = true;
         make_host_biases();
         make_readbacks();
+        if (device_maps) {
+            make_device_maps();
+        }
         if (params.miss != LLAMA_MOE_CACHE_MISS_CPU) {
             map_host_experts();
             if (use_tables) {
@@ -943,6 +954,60 @@ void llama_moe_cache::flush_tables() {
             et.hi = 0;
         }
     }
+    if (maps_lo < maps_hi) {
+        for (ggml_tensor * m : maps_dev) {
+            ggml_backend_tensor_set(m, maps_host.data() + maps_lo, maps_lo*sizeof(int32_t), (maps_hi - maps_lo)*sizeof(int32_t));
+        }
+        maps_lo = SIZE_MAX;
+        maps_hi = 0;
+    }
+    if (maps_check) {
+        std::vector<int32_t> dev(maps_host.size());
+        for (ggml_tensor * m : maps_dev) {
+            ggml_backend_tensor_get(m, dev.data(), 0, ggml_nbytes(m));
+            if (dev != maps_host) {
+                LLAMA_LOG_ERROR("%s: the maps in %s differ from the host's\n", __func__, ggml_backend_buffer_name(m->buffer));
+            } else if (n_maps_checked++ == 0) {
+                LLAMA_LOG_INFO("%s: the maps in %s equal the host's (LLAMA_MOE_CACHE_MAPS_CHECK)\n", __func__, ggml_backend_buffer_name(m->buffer));
+            }
+        }
+    }
+}
+
+void llama_moe_cache::make_device_maps() {
+    // the graphs read each cached layer's rows of the maps on its device: as an input, the scheduler copies
+    // them to the device for every split that reads them (two views per layer, after each CPU split), so
+    // they are kept there instead and changed between graphs (flush_tables), the few entries that changed
+    std::map<ggml_backend_buffer_type_t, std::vector<size_t>> by_buft;
+    for (size_t il = 0; il < layers.size(); ++il) {
+        if (layers[il].cached() && layers[il].dev) {
+            by_buft[ggml_backend_dev_buffer_type(layers[il].dev)].push_back(il);
+        }
+    }
+    for (auto & [buft, ils] : by_buft) {
+        ggml_init_params ip = { 2*ggml_tensor_overhead(), nullptr, true };
+        ggml_context_ptr ctx(ggml_init(ip));
+        ggml_tensor * m = ctx ? ggml_new_tensor_2d(ctx.get(), GGML_TYPE_I32, n_exp, map_rows) : nullptr;
+        if (!m) {
+            continue;
+        }
+        ggml_set_name(m, "moe_cache.maps");
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (!buf) {
+            LLAMA_LOG_WARN("%s: cannot allocate %.1f KiB for the maps in %s: the graphs take them as an input\n",
+                __func__, ggml_nbytes(m)/1024.0, ggml_backend_buft_name(buft));
+            continue;
+        }
+        ggml_backend_tensor_set(m, maps_host.data(), 0, ggml_nbytes(m));
+        for (size_t il : ils) {
+            layers[il].maps = m;
+        }
+        LLAMA_LOG_INFO("%s: the maps of %zu cached layers kept in %s\n", __func__, ils.size(), ggml_backend_buft_name(buft));
+        maps_dev.push_back(m);
+        aux_bytes[buft] += ggml_backend_buffer_get_size(buf);
+        aux_bufs.emplace_back(buf);
+        aux_ctxs.push_back(std::move(ctx));
+    }
 }
 
 void llama_moe_cache::take_readbacks() {
@@ -1232,11 +1297,16 @@ void llama_moe_cache::set_map(int32_t il, int32_t expert, int32_t slot) {
         l.complete = !l.complete;
         routes_ver++;
     }
-    maps_host[(2*(size_t) il + 0)*n_exp + expert] = slot;
-    maps_host[(2*(size_t) il + 1)*n_exp + expert] = slot >= 0 ? -1 : expert;
+    const size_t at = (2*(size_t) il + 0)*n_exp + expert;
+    maps_host[at] = slot;
+    maps_host[at + n_exp] = slot >= 0 ? -1 : expert;
+    maps_lo = std::min(maps_lo, at);
+    maps_hi = std::max(maps_hi, at + n_exp + 1);
     if ((size_t) map_rows > 2*layers.size()) {
-        maps_host[(2*layers.size() + 2*(size_t) il + 0)*n_exp + expert] = slot >= 0 ? expert : n_exp;
-        maps_host[(2*layers.size() + 2*(size_t) il + 1)*n_exp + expert] = slot >= 0 ? n_exp : expert;
+        const size_t bat = (2*layers.size() + 2*(size_t) il + 0)*n_exp + expert;
+        maps_host[bat] = slot >= 0 ? expert : n_exp;
+        maps_host[bat + n_exp] = slot >= 0 ? n_exp : expert;
+        maps_hi = std::max(maps_hi, bat + n_exp + 1);
     }
     if (l.table_dev >= 0) {
         table_entry(l, expert);

@@ -79,6 +79,10 @@ struct llama_moe_cache_layer {
     // on a GPU
     ggml_tensor * ids_out = nullptr;
     int32_t       readback = -1;     // index in llama_moe_cache::readbacks
+
+    // the maps (all rows) on the layer's device, kept there between graphs; null: the graphs take them as an
+    // input, copied to the device for every split that reads them
+    ggml_tensor * maps = nullptr;
     size_t        ids_offset = 0;    // elements of ids_out into the readback's tensor
 
     std::unique_ptr<llama_moe_layer_policy> policy;
@@ -258,7 +262,8 @@ private:
     void map_host_experts();       // mapped[] of the layers whose device reads host memory in place
     void make_tables();            // table[] of the mapped layers whose device reads address tables
     void table_entry(llama_moe_cache_layer & l, int32_t expert); // from published[] into the host copy
-    void flush_tables();           // the changed entries to the devices (between graphs)
+    void flush_tables();           // the changed entries (tables, maps) to the devices (between graphs)
+    void make_device_maps();       // maps of the cached layers kept on their devices
 
     // one I64 tensor per device holding its layers' tables, a host copy, and the range written since
     // the last flush
@@ -327,6 +332,12 @@ private:
     std::vector<llama_moe_cache_layer> layers;
     std::vector<int32_t>               maps_host;
     int32_t                            map_rows = 0;
+    // the maps on each device that holds cached layers, and the range of maps_host written since the last flush
+    std::vector<ggml_tensor *>         maps_dev;
+    size_t                             maps_lo = SIZE_MAX, maps_hi = 0;
+    bool                               device_maps = true; // LLAMA_MOE_CACHE_DEVICE_MAPS=0: the graphs' input
+    bool                               maps_check  = false; // LLAMA_MOE_CACHE_MAPS_CHECK=1 (tests): read back, compare
+    int64_t                            n_maps_checked = 0;
 
     // misses on the device; routed ids read back once per device and ubatch
     struct readback {
