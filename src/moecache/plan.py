@@ -94,7 +94,9 @@ def server_args(req: Request, *, experts_on_host: bool = True, ubatch: int | Non
         # the misses (all of the routed experts without a cache) are computed on the CPU one token at a time:
         # on huge pages, one run of rows per thread and four Q4_0 rows at once they stream up to twice as fast,
         # with the same results (huge pages, the flat split, the four-row dots); the user's own setting of each stays
-        args += CPU_EXPERT_FLAGS
+        # (the flat split only where the CPU's timing at start found it faster for this model's types)
+        flat = req.bandwidth is None or req.bandwidth.cpu_experts_flat
+        args += [f for f in CPU_EXPERT_FLAGS if flat or f != "--cpu-experts-flat"]
     if slots:
         # a prompt's most-routed experts fill the empty slots before its tokens decode: the first request warm
         args += ["--moe-cache-slots", str(slots), "--moe-cache-warm-prompts", *miss]
@@ -173,6 +175,7 @@ class Bandwidth:
     source: str = "given"
     cpu_experts: float = 0.0
     cpu_experts_stock: float = 0.0
+    cpu_experts_flat: bool = True  # whether the flat split streams this model's experts faster (timed, else on)
 
     def usable(self) -> bool:
         return min(self.host_read, self.device, self.host_to_device) > 0
@@ -243,7 +246,7 @@ def add_cpu_experts(bw: Bandwidth, model: Path, notes: list[str] | None = None) 
         if notes is not None:
             notes.append(f"the CPU's expert kernels were not timed, so the host read stands for them: {e}")
         return
-    bw.cpu_experts, bw.cpu_experts_stock = ce.ours, ce.stock
+    bw.cpu_experts, bw.cpu_experts_stock, bw.cpu_experts_flat = ce.ours, ce.stock, ce.flat
     bw.source += f"; the CPU's experts: {ce.text}"
 
 
@@ -254,9 +257,10 @@ CPU_EXPERTS_BENCH_BYTES = 2 << 30  # the experts the timing allocates, at most (
 
 @dataclass
 class CpuExperts:
-    ours: float    # bytes/s: the GGUF layout with the CPU's switches (huge pages, flat split, four-row dots)
+    ours: float    # bytes/s: the GGUF layout with the CPU's switches (huge pages, four-row dots, the flat split if `flat`)
     stock: float   # bytes/s: llama-server's defaults (repacked where this CPU has a layout for the type)
     text: str
+    flat: bool = True  # the flat split is faster for this model's experts (by their bytes)
 
 
 def expert_shapes(model: "Path | GGUFReader") -> dict[str, tuple[int, int, int, int]]:
@@ -302,7 +306,7 @@ def measure_cpu_experts(model: Path, threads: int | None = None, n_used: int | N
     exe = binary_path or _bench_binary()
     threads = threads or physical_cores()
     total = sum(b for b, *_ in shapes.values())
-    t_ours = t_stock = 0.0
+    t_flat = t_split = t_stock = 0.0
     parts = []
     for name, (nbytes, n_embd, n_ff, n_expert) in sorted(shapes.items(), key=lambda kv: -kv[1][0]):
         per_expert = 3 * n_embd * n_ff * _type_bytes_per_weight(name)
@@ -311,17 +315,23 @@ def measure_cpu_experts(model: Path, threads: int | None = None, n_used: int | N
         layers = int(max(2, min(8, CPU_EXPERTS_BENCH_BYTES // max(1.0, e * per_expert))))
         base = [str(exe), "-l", str(layers), "-e", str(e), "-u", str(min(n_used, e)), "-f", str(n_ff), "-d", str(n_embd),
                 "-n", "16", "-t", str(threads), "-m", "graph", "--type", name]
-        ours = _bench_gb_s(base + ["--hugepages", "--flat", "--x4"])
+        # the flat split (one run of rows per thread) wins for Q4_0 and Q8_0 and loses for Q5_K, Q6_K and IQ4_XS
+        # on an H100 machine's Xeon: timed both ways, the model's bytes choose one setting for all its types
+        flat = _bench_gb_s(base + ["--hugepages", "--flat", "--x4"])
+        split = _bench_gb_s(base + ["--hugepages", "--x4"])
         stock = _bench_gb_s(base + ["--repack"], repack=True)
         repacked = stock is not None
         if stock is None:
             stock = _bench_gb_s(base)
         share = nbytes / total
-        t_ours += share / ours
+        t_flat += share / flat
+        t_split += share / split
         t_stock += share / stock
-        parts.append(f"{name} {ours / 1e9:.1f} GB/s (llama-server's {'repacked' if repacked else 'GGUF'} layout "
-                     f"{stock / 1e9:.1f})")
-    return CpuExperts(1.0 / t_ours, 1.0 / t_stock, f"{', '.join(parts)}, {threads} threads")
+        parts.append(f"{name} {flat / 1e9:.1f} GB/s with the flat split, {split / 1e9:.1f} without "
+                     f"(llama-server's {'repacked' if repacked else 'GGUF'} layout {stock / 1e9:.1f})")
+    use_flat = t_flat <= t_split
+    return CpuExperts(1.0 / min(t_flat, t_split), 1.0 / t_stock,
+                      f"{', '.join(parts)}, {threads} threads: the flat split {'on' if use_flat else 'off'}", use_flat)
 
 
 def _type_bytes_per_weight(name: str) -> float:

@@ -538,9 +538,11 @@ def test_the_cpu_expert_kernels_are_timed_on_the_models_types(tmp_path):
     assert set(shapes) == {"q8_0"} and shapes["q8_0"][0] > 0
     ce = planmod.measure_cpu_experts(path, threads=1)
     assert ce.ours > 1e8 and ce.stock > 1e8 and ce.text.startswith("q8_0 ") and "1 threads" in ce.text
+    # timed with the flat split and without: the faster one is the rate, and the text says which
+    assert f"the flat split {'on' if ce.flat else 'off'}" in ce.text and "without" in ce.text
     bw = planmod.Bandwidth(1e11, 1e12, 5e10)
     planmod.add_cpu_experts(bw, path)
-    assert bw.cpu_experts > 0 and "the CPU's experts: q8_0" in bw.source
+    assert bw.cpu_experts > 0 and "the CPU's experts: q8_0" in bw.source and isinstance(bw.cpu_experts_flat, bool)
     notes: list[str] = []
     bw2 = planmod.Bandwidth(1e11, 1e12, 5e10)
     planmod.add_cpu_experts(bw2, tmp_path / "missing.gguf", notes)
@@ -587,6 +589,18 @@ def test_no_whole_layers_without_bandwidths_or_with_your_placement(fake_probe, c
         p = placed(model, swap=False)
     assert p.request.n_cpu_moe is None and (p.residency is None or p.residency.resident == 0)
     assert "--n-cpu-moe" not in p.args()
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_flat_split_only_where_the_cpu_timed_it_faster(fake_probe, flat):
+    """The CPU's timing at start decides the flat split for the model's types (it loses for Q5_K, Q6_K and
+    IQ4_XS on some CPUs): off, the plan leaves it out and keeps huge pages and the four-row dots."""
+    model = fake_probe(answer_layers())
+    req = Request(model, gpu_mem_gib=[24.0], bandwidth=planmod.parse_bandwidth(H100), swap=False)
+    req.bandwidth.cpu_experts_flat = flat
+    args = planmod.place_layers(make_plan(req)).args()
+    assert "--host-hugepages" in args and "--cpu-experts-x4" in args
+    assert ("--cpu-experts-flat" in args) == flat
 
 
 def test_the_python_api_takes_the_whole_layers():
