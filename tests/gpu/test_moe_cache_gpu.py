@@ -93,3 +93,23 @@ def test_cache_active_ubatches_of_64_with_every_expert_resident(tiny_model):
     resident = [layer["n_resident"] for layer in st["layers"]]
     assert out["tokens"] == ref["tokens"]
     assert st["total"]["batches_cached"] > 0 and max(resident) == N_EXPERT, resident
+
+
+def test_maps_kept_on_cuda_match_the_maps_as_an_input(tiny_model):
+    """The cache's maps kept in VRAM (changed between graphs) against the graph's input: with every upload
+    waited for (LLAMA_MOE_CACHE_SYNC_UPLOADS=1) both runs put the same experts in the same slots at the same
+    steps, so a stale map (a hit computed on the CPU, or the wrong slot) would change the log-probabilities;
+    the kept maps also equal the host's after every change (LLAMA_MOE_CACHE_MAPS_CHECK=1)."""
+    args = BASE_ARGS + ["--moe-cache-slots", "6", "--moe-cache-policy", "lru", "--moe-cache-max-uploads", "4", "-lv", "4"]
+    runs = []
+    for maps in ("1", "0"):
+        env = {"LLAMA_MOE_CACHE_SYNC_UPLOADS": "1", "LLAMA_MOE_CACHE_DEVICE_MAPS": maps, "LLAMA_MOE_CACHE_MAPS_CHECK": "1"}
+        with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
+            outs = [complete(srv, p * 2, n_predict=32) for p in PROMPTS + PROMPTS]
+            runs.append((outs, stats(srv)["total"], srv.log_text()))
+    (kept, st, log), (as_input, st_input, _) = runs
+    assert "cached layers kept in CUDA0" in log and "equal the host's" in log and "differ" not in log
+    assert st["uploads"] > 0 and st["evictions"] > 0 and st["hits"] == st_input["hits"], (st, st_input)
+    for a, b in zip(as_input, kept):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) == 0.0
