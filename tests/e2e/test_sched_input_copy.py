@@ -58,3 +58,26 @@ def test_a_host_splits_reads_from_a_device_in_one_batch_leave_the_output_bit_ide
     assert READ_BATCHED in log_batched, "the CPU splits' inputs were not read in one batch"
     assert READ_BATCHED not in log_apart
     assert_same_outputs(apart, batched)
+
+
+def test_a_device_splits_inputs_from_host_memory_on_its_stream_leave_the_output_bit_identical(tiny_model, rpc_servers):
+    """The same placement the other way: each layer's CPU result goes into the next device split as a copy on
+    the device's stream ahead of its graph, and host memory is written again only once that copy is waited for
+    (GGML_SCHED_HOST_WRITE_ASYNC=0: a synchronous copy each); prompts of several ubatches and decode steps,
+    same bytes, same output."""
+    [port] = rpc_servers(1)
+
+    def run_moe(**env):
+        args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}",
+                "-ub", "32", "-lv", "5", "--cpu-moe", "--no-repack"]
+        with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
+            outs = [complete(srv, p * 3, n_predict=24) for p in PROMPTS]
+            log = srv.log_text()
+        return outs, log
+
+    on_stream, log_on = run_moe()
+    waited, log_waited = run_moe(GGML_SCHED_HOST_WRITE_ASYNC="0")
+    line = "copied from host memory on its stream"
+    assert line in log_on and "RPC0" in next(ln for ln in log_on.splitlines() if line in ln)
+    assert line not in log_waited
+    assert_same_outputs(waited, on_stream)

@@ -54,3 +54,20 @@ def test_a_cpu_splits_reads_from_cuda_in_one_batch_leave_the_output_bit_identica
     assert lines and "to CPU" in lines[0], lines
     assert "in one batch" not in "".join(ln for ln in log_apart.splitlines() if "read from" in ln)
     assert_same_outputs(apart, batched)
+
+
+def test_the_cpus_results_into_cuda_on_its_stream_leave_the_output_bit_identical(models):
+    """The demo model's experts on the CPU: each CPU result goes into the next CUDA split as a copy on CUDA0's
+    stream ahead of its graph, waited for by an event before host memory is written again
+    (GGML_SCHED_HOST_WRITE_ASYNC=0: a synchronous copy each)."""
+    runs = []
+    for env in ({}, {"GGML_SCHED_HOST_WRITE_ASYNC": "0"}):
+        with ServerProcess(models["demo"], args=BASE + ARGS["demo"], env=env, timeout=300) as srv:
+            outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
+            runs.append((outs, srv.log_text()))
+    (on_stream, log_on), (waited, log_waited) = runs
+    line = "copied from host memory on its stream"
+    lines = [ln for ln in log_on.splitlines() if line in ln]
+    assert lines and "CUDA0" in lines[0], lines
+    assert line not in log_waited
+    assert_same_outputs(waited, on_stream)
