@@ -150,6 +150,8 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // 76%). LLAMA_MOE_CACHE_WARM_BLEND=0: the prompt's routing alone, for comparison
     const char * env_blend = getenv("LLAMA_MOE_CACHE_WARM_BLEND");
     warm_blend = !env_blend || atoi(env_blend) != 0;
+    const char * env_interleave = getenv("LLAMA_MOE_CACHE_WARM_INTERLEAVE");
+    warm_interleave = !env_interleave || atoi(env_interleave) != 0;
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
     use_tables = !env_table || atoi(env_table) != 0;
@@ -1899,10 +1901,10 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
     if (hold_empty) {
         return 0;
     }
-    std::vector<upload_job> jobs;
     std::vector<llama_moe_upload> plan;
     std::vector<int32_t> order;
     std::vector<uint64_t> cnt(n_exp);
+    std::vector<std::vector<upload_job>> by_layer;
     for (auto & l : layers) {
         if (!l.cached()) {
             continue;
@@ -1918,8 +1920,29 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
         order.insert(order.begin(), l.pins.begin(), l.pins.end()); // pinned experts take their slots first
         plan.clear();
         l.policy->warm(order, plan);
+        by_layer.emplace_back();
         for (const auto & u : plan) {
-            jobs.push_back({l.il, u.slot, u.expert, false, {}, true});
+            by_layer.back().push_back({l.il, u.slot, u.expert, false, {}, true});
+        }
+    }
+    // the copies take the link in rank order across the layers (each layer's first expert, then each one's
+    // second, ...), not layer after layer: decode starts while they run, and the hits of the top experts of
+    // every layer come first (a restore of GiBs takes a few hundred ms; layer after layer, the last layers
+    // stayed empty through the first tokens). LLAMA_MOE_CACHE_WARM_INTERLEAVE=0: layer after layer
+    std::vector<upload_job> jobs;
+    if (warm_interleave) {
+        for (size_t rank = 0, left = 1; left > 0; ++rank) {
+            left = 0;
+            for (const auto & lj : by_layer) {
+                if (rank < lj.size()) {
+                    jobs.push_back(lj[rank]);
+                    left += lj.size() - rank - 1;
+                }
+            }
+        }
+    } else {
+        for (const auto & lj : by_layer) {
+            jobs.insert(jobs.end(), lj.begin(), lj.end());
         }
     }
     if (!jobs.empty()) {

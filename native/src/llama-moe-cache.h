@@ -355,6 +355,7 @@ private:
     uint64_t routes_ver = 0;
     uint64_t n_steps    = 0; // step() calls: one per decode and per later ubatch of it; step_ms_total / n_steps is the mean
     bool     use_tables = true;  // LLAMA_MOE_CACHE_TABLE=0 turns the one expert FFN off
+    bool     warm_interleave = true; // LLAMA_MOE_CACHE_WARM_INTERLEAVE=0: warm copies layer after layer
     bool     read_back_all = true; // LLAMA_MOE_CACHE_READBACK_ALL=0: only cached layers' ids in the one readback
     int32_t  upload_boost = 1;      // this step's upload cap = max_uploads * upload_boost
     bool     capped_last  = false;  // a layer's last plan was cut by the cap

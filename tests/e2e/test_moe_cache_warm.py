@@ -154,3 +154,27 @@ def test_tune_writes_a_profile_the_server_reads(tiny_model, cold, tmp_path, subp
     r = subprocess.run([sys.executable, "-m", "moecache", "tune", str(trace), "--write-profile", str(written)],
                        env=subprocess_env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--write-profile needs --model" in r.stderr
+
+
+def test_warm_copies_take_the_link_in_rank_order_across_layers(tiny_model):
+    """A warm start's copies run while decode starts (no LLAMA_MOE_CACHE_SYNC_UPLOADS here, each copy made
+    slow): they go in rank order across the layers, each layer's most-routed expert first, so every layer
+    holds its top expert after the first few copies. Layer after layer (LLAMA_MOE_CACHE_WARM_INTERLEAVE=0) the
+    first layer fills while the last one stays empty."""
+    slots = 12
+    args = [a if a != str(SLOTS) else str(slots) for a in ARGS] + ["--moe-cache-warm-prompts"]
+
+    def resident(**env):
+        env = {"LLAMA_MOE_CACHE_HOST_DEVICE": "1", "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "20", **env}
+        with ServerProcess(tiny_model, args=args, env=env, timeout=120) as srv:
+            complete(srv, PROMPT, n_predict=96)
+            st = cache_stats(srv)
+        counts = [layer["n_resident"] for layer in st["layers"]]
+        # the copies still running, past the first round
+        assert len(counts) == N_LAYER and N_LAYER <= sum(counts) < (N_LAYER - 1) * slots, counts
+        return counts
+
+    interleaved = resident()
+    assert min(interleaved) >= 1, interleaved
+    in_layer_order = resident(LLAMA_MOE_CACHE_WARM_INTERLEAVE="0")
+    assert in_layer_order[0] > 0 and in_layer_order[-1] == 0, in_layer_order
