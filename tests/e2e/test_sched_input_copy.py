@@ -16,9 +16,9 @@ from moecache.server import ServerProcess
 BATCHED = "copied in one batch"
 
 
-def run(model, port, **env):
+def run(model, port, *extra, **env):
     args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}",
-            "-ub", "32", "-lv", "5"]
+            "-ub", "32", "-lv", "5", *extra]
     with ServerProcess(model, args=args, env=env, timeout=180) as srv:
         # a prompt of several ubatches, then decode steps: every graph's inputs pass through the copies
         outs = [complete(srv, p * 3, n_predict=24) for p in PROMPTS]
@@ -36,6 +36,8 @@ def test_batched_input_copies_leave_the_output_bit_identical(tiny_model, rpc_ser
 
 
 READ_BATCHED = "read from RPC0"
+# the layers on the rpc-server, their experts on the host's CPU: a CPU split in every layer
+EXPERTS_ON_CPU = ("--cpu-moe", "--no-repack")
 
 
 def test_a_host_splits_reads_from_a_device_in_one_batch_leave_the_output_bit_identical(tiny_model, rpc_servers):
@@ -43,18 +45,8 @@ def test_a_host_splits_reads_from_a_device_in_one_batch_leave_the_output_bit_ide
     reads its inputs (the hidden state, the routed ids) from the device, as one batch of asynchronous reads
     and one wait (GGML_SCHED_HOST_READ_BATCH=0: a wait and a synchronous read each); same bytes, same output."""
     [port] = rpc_servers(1)
-    extra = ["--cpu-moe", "--no-repack"]
-
-    def run_moe(**env):
-        args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}",
-                "-ub", "32", "-lv", "5", *extra]
-        with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
-            outs = [complete(srv, p * 3, n_predict=24) for p in PROMPTS]
-            log = srv.log_text()
-        return outs, log
-
-    batched, log_batched = run_moe()
-    apart, log_apart = run_moe(GGML_SCHED_HOST_READ_BATCH="0")
+    batched, log_batched = run(tiny_model, port, *EXPERTS_ON_CPU)
+    apart, log_apart = run(tiny_model, port, *EXPERTS_ON_CPU, GGML_SCHED_HOST_READ_BATCH="0")
     assert READ_BATCHED in log_batched, "the CPU splits' inputs were not read in one batch"
     assert READ_BATCHED not in log_apart
     assert_same_outputs(apart, batched)
@@ -66,17 +58,8 @@ def test_a_device_splits_inputs_from_host_memory_on_its_stream_leave_the_output_
     (GGML_SCHED_HOST_WRITE_ASYNC=0: a synchronous copy each); prompts of several ubatches and decode steps,
     same bytes, same output."""
     [port] = rpc_servers(1)
-
-    def run_moe(**env):
-        args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--rpc", f"127.0.0.1:{port}",
-                "-ub", "32", "-lv", "5", "--cpu-moe", "--no-repack"]
-        with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
-            outs = [complete(srv, p * 3, n_predict=24) for p in PROMPTS]
-            log = srv.log_text()
-        return outs, log
-
-    on_stream, log_on = run_moe()
-    waited, log_waited = run_moe(GGML_SCHED_HOST_WRITE_ASYNC="0")
+    on_stream, log_on = run(tiny_model, port, *EXPERTS_ON_CPU)
+    waited, log_waited = run(tiny_model, port, *EXPERTS_ON_CPU, GGML_SCHED_HOST_WRITE_ASYNC="0")
     line = "copied from host memory on its stream"
     assert line in log_on and "RPC0" in next(ln for ln in log_on.splitlines() if line in ln)
     assert line not in log_waited

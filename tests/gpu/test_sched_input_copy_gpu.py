@@ -27,14 +27,21 @@ def models(demo_and_qwen4exp):
     return demo_and_qwen4exp
 
 
-@pytest.mark.parametrize("name", ["demo", "tiny-qwen4exp"])
-def test_batched_input_copies_on_cuda_leave_the_output_bit_identical(models, name):
+def on_and_off(model, args, switch):
+    """The prompts through a server with the scheduler's change on (the default) and with `switch`=0: each
+    run's outputs and log."""
     runs = []
-    for env in ({}, {"GGML_SCHED_INPUT_COPY_BATCH": "0"}):
-        with ServerProcess(models[name], args=BASE + ARGS[name], env=env, timeout=300) as srv:
+    for env in ({}, {switch: "0"}):
+        with ServerProcess(model, args=args, env=env, timeout=300) as srv:
             outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
             runs.append((outs, srv.log_text()))
-    (batched, log_batched), (one_by_one, log_one) = runs
+    return runs
+
+
+@pytest.mark.parametrize("name", ["demo", "tiny-qwen4exp"])
+def test_batched_input_copies_on_cuda_leave_the_output_bit_identical(models, name):
+    (batched, log_batched), (one_by_one, log_one) = on_and_off(models[name], BASE + ARGS[name],
+                                                               "GGML_SCHED_INPUT_COPY_BATCH")
     lines = [ln for ln in log_batched.splitlines() if BATCHED in ln]
     assert lines and "CUDA0" in lines[0], lines
     assert BATCHED not in log_one
@@ -44,12 +51,8 @@ def test_batched_input_copies_on_cuda_leave_the_output_bit_identical(models, nam
 def test_a_cpu_splits_reads_from_cuda_in_one_batch_leave_the_output_bit_identical(models):
     """The demo model's experts on the CPU: each layer's CPU split reads the hidden state and the routed
     ids from CUDA0 as reads queued on its stream and one wait (GGML_SCHED_HOST_READ_BATCH=0: each on its own)."""
-    runs = []
-    for env in ({}, {"GGML_SCHED_HOST_READ_BATCH": "0"}):
-        with ServerProcess(models["demo"], args=BASE + ARGS["demo"], env=env, timeout=300) as srv:
-            outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
-            runs.append((outs, srv.log_text()))
-    (batched, log_batched), (apart, log_apart) = runs
+    (batched, log_batched), (apart, log_apart) = on_and_off(models["demo"], BASE + ARGS["demo"],
+                                                            "GGML_SCHED_HOST_READ_BATCH")
     lines = [ln for ln in log_batched.splitlines() if "read from CUDA0 in one batch" in ln]
     assert lines and "to CPU" in lines[0], lines
     assert "in one batch" not in "".join(ln for ln in log_apart.splitlines() if "read from" in ln)
@@ -60,12 +63,8 @@ def test_the_cpus_results_into_cuda_on_its_stream_leave_the_output_bit_identical
     """The demo model's experts on the CPU: each CPU result goes into the next CUDA split as a copy on CUDA0's
     stream ahead of its graph, waited for by an event before host memory is written again
     (GGML_SCHED_HOST_WRITE_ASYNC=0: a synchronous copy each)."""
-    runs = []
-    for env in ({}, {"GGML_SCHED_HOST_WRITE_ASYNC": "0"}):
-        with ServerProcess(models["demo"], args=BASE + ARGS["demo"], env=env, timeout=300) as srv:
-            outs = [complete(srv, p, n_predict=24) for p in PROMPTS + [LONG]]
-            runs.append((outs, srv.log_text()))
-    (on_stream, log_on), (waited, log_waited) = runs
+    (on_stream, log_on), (waited, log_waited) = on_and_off(models["demo"], BASE + ARGS["demo"],
+                                                           "GGML_SCHED_HOST_WRITE_ASYNC")
     line = "copied from host memory on its stream"
     lines = [ln for ln in log_on.splitlines() if line in ln]
     assert lines and "CUDA0" in lines[0], lines
