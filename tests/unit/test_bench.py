@@ -1671,3 +1671,46 @@ def test_every_committed_scenario_loads(path):
     """A scenario kept for a device session must not fail there on a typo: each one parses and checks here."""
     sc = load_scenario(path)
     assert sc.name and sc.arms and sum(a.baseline for a in sc.arms) == 1
+
+
+SCHED_LOG = """\
+0.04.8 I ggml_sched_times: backend=CUDA0 graphs=2 splits_per_graph=19.00 compute_ms_per_graph=36.1265 copy_ms_per_graph=0.7510
+0.04.8 I ggml_sched_times: backend=CPU graphs=2 splits_per_graph=19.00 compute_ms_per_graph=8.6720 copy_ms_per_graph=0.2045
+0.04.8 I ggml_sched_times: host graphs=2 gaps=1 gap_ms_per_graph=9.8410
+0.05.2 I llama_host_times: ubatches=32 decode_ms=20.1850 apply_ms=0.0053 graph_ms=0.2746 inputs_ms=0.0767 compute_ms=19.6766 after_ms=0.0612 inputs: llm_graph_input_attn_kv=0.0624
+0.05.2 I ggml_sched_times: backend=CUDA0 graphs=32 splits_per_graph=19.00 compute_ms_per_graph=3.8911 copy_ms_per_graph=0.6927
+0.05.2 I ggml_sched_times: backend=CPU graphs=32 splits_per_graph=19.00 compute_ms_per_graph=4.2143 copy_ms_per_graph=0.2075
+0.05.2 I ggml_sched_times: host graphs=32 gaps=31 gap_ms_per_graph=0.7721
+0.05.5 I llama_host_times: ubatches=32 decode_ms=9.3982 apply_ms=0.0012 graph_ms=0.0056 inputs_ms=0.0144 compute_ms=9.2991 after_ms=0.0132 inputs: llm_graph_input_attn_kv=0.0029
+0.05.5 I ggml_sched_times: backend=CUDA0 graphs=32 splits_per_graph=19.00 compute_ms_per_graph=3.4408 copy_ms_per_graph=0.7097
+0.05.5 I ggml_sched_times: backend=CPU graphs=32 splits_per_graph=19.00 compute_ms_per_graph=4.8885 copy_ms_per_graph=0.2225
+0.05.5 I ggml_sched_times: host graphs=32 gaps=32 gap_ms_per_graph=0.7130
+0.05.8 I llama_host_times: ubatches=32 decode_ms=9.3701 apply_ms=0.0011 graph_ms=0.0055 inputs_ms=0.0141 compute_ms=9.2739 after_ms=0.0118 inputs: llm_graph_input_attn_kv=0.0024
+0.05.8 I ggml_sched_times: backend=CUDA0 graphs=32 splits_per_graph=19.00 compute_ms_per_graph=3.4436 copy_ms_per_graph=0.7023
+0.05.8 I ggml_sched_times: backend=CPU graphs=32 splits_per_graph=19.00 compute_ms_per_graph=4.8937 copy_ms_per_graph=0.2183
+0.05.8 I ggml_sched_times: host graphs=32 gaps=32 gap_ms_per_graph=0.7175
+0.06.2 I ggml_sched_times: backend=CUDA0 graphs=31 splits_per_graph=19.00 compute_ms_per_graph=3.4461 copy_ms_per_graph=0.7125
+0.06.2 I ggml_sched_times: host graphs=31 gaps=31 gap_ms_per_graph=0.7015
+"""
+
+
+def test_split_times_are_the_medians_of_the_full_windows():
+    """GGML_SCHED_TIMES=32 server logs: the windows of 32 graphs only (not a short first one with a prompt, nor
+    the report at the end), per backend and for the host's gaps, and llama_decode's times."""
+    st = report.split_times(SCHED_LOG, 32)
+    assert st["windows"] == 3 and st["period"] == 32
+    assert st["backends"]["CUDA0"] == {"splits": 19.0, "compute_ms": 3.4436, "copy_ms": 0.7023}
+    assert st["backends"]["CPU"]["compute_ms"] == 4.8885 and st["gap_ms"] == 0.7175
+    assert st["decode_ms"] == pytest.approx(9.3982) and st["compute_ms"] == pytest.approx(9.2991)
+    assert report.split_times(SCHED_LOG, 16) is None and report.split_times("", 32) is None
+    assert runner._sched_times_period({"GGML_SCHED_TIMES": "32"}) == 32
+    assert runner._sched_times_period({"GGML_SCHED_TIMES": "1"}) == 0  # synchronised, but no windows
+    assert runner._sched_times_period({}) == runner._sched_times_period({"GGML_SCHED_TIMES": "x"}) == 0
+
+    run = fake_run()
+    assert "### Split times" not in report.render_markdown(run)
+    run["arms"][1]["split_times"] = st
+    text = report.render_markdown(run)
+    table = text[text.index("### Split times"):].split("\n\n")[2].splitlines()
+    assert table[0].startswith("| arm | windows | CPU splits | CPU copy ms | CPU compute ms | CUDA0 splits")
+    assert table[2] == ("| fast | 3 | 19.0 | 0.218 | 4.888 | 19.0 | 0.702 | 3.444 | 0.718 | 9.398 |")

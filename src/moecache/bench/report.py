@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -201,6 +202,72 @@ def _reasons(d: dict | None) -> str:
         return "-"
     nz = [f"{k} {_fmt_count(v)}" for k, v in d.items() if v]
     return ", ".join(nz) if nz else "0"
+
+
+_SCHED_BACKEND = re.compile(r"ggml_sched_times: backend=(\S+) graphs=(\d+) splits_per_graph=([\d.]+) "
+                            r"compute_ms_per_graph=([\d.]+) copy_ms_per_graph=([\d.]+)")
+_SCHED_HOST = re.compile(r"ggml_sched_times: host graphs=(\d+) gaps=\d+ gap_ms_per_graph=([\d.]+)")
+_HOST_TIMES = re.compile(r"llama_host_times: ubatches=(\d+) decode_ms=([\d.]+) .*?compute_ms=([\d.]+)")
+
+
+def split_times(log: str, period: int) -> dict | None:
+    """A server's GGML_SCHED_TIMES=`period` reports (the scheduler's, per backend and for the host's gaps between
+    graphs, and the context's llama_host_times): the medians over its full windows of `period` graphs, per graph.
+    With one user most windows are decode steps; the few that hold a prompt's ubatches move the medians little.
+    None when the log has no full window."""
+    import statistics
+
+    backends: dict[str, dict[str, list[float]]] = {}
+    gaps: list[float] = []
+    decode: list[float] = []
+    compute: list[float] = []
+    for line in log.splitlines():
+        if m := _SCHED_BACKEND.search(line):
+            if int(m.group(2)) == period:
+                b = backends.setdefault(m.group(1), {"splits": [], "compute_ms": [], "copy_ms": []})
+                b["splits"].append(float(m.group(3)))
+                b["compute_ms"].append(float(m.group(4)))
+                b["copy_ms"].append(float(m.group(5)))
+        elif m := _SCHED_HOST.search(line):
+            if int(m.group(1)) == period:
+                gaps.append(float(m.group(2)))
+        elif m := _HOST_TIMES.search(line):
+            if int(m.group(1)) == period:
+                decode.append(float(m.group(2)))
+                compute.append(float(m.group(3)))
+    if not gaps:
+        return None
+    med = statistics.median
+    return {"period": period, "windows": len(gaps), "gap_ms": med(gaps),
+            "decode_ms": med(decode) if decode else None, "compute_ms": med(compute) if compute else None,
+            "backends": {name: {k: med(v) for k, v in b.items()} for name, b in backends.items()}}
+
+
+def _split_time_lines(run: dict) -> list[str]:
+    timed = [a for a in run["arms"] if a.get("split_times")]
+    if not timed:
+        return []
+    names = sorted({b for a in timed for b in a["split_times"]["backends"]})
+    lines = ["", "### Split times", "",
+             "Arms run with `GGML_SCHED_TIMES=N`: the scheduler's times per graph (one graph per ubatch; with one "
+             "user mostly one decode step), the median over the server's windows of N graphs. Per backend the splits "
+             "it computed, the time of their input copies and of their compute; the host's time between two graphs "
+             "(the server's sampling, the library's work before and after a graph); llama_decode's whole time. Each "
+             "split is synchronised before the next, so these arms' own rates are not the untimed ones.", "",
+             "| arm | windows | " + " | ".join(f"{n} splits | {n} copy ms | {n} compute ms" for n in names)
+             + " | host gap ms | llama_decode ms |",
+             "| --- | ---: | " + " | ".join("---: | ---: | ---:" for _ in names) + " | ---: | ---: |"]
+    for a in timed:
+        st = a["split_times"]
+        cells = []
+        for n in names:
+            b = st["backends"].get(n)
+            cells.append(" | ".join(["-"] * 3) if b is None else
+                         f"{b['splits']:.1f} | {b['copy_ms']:.3f} | {b['compute_ms']:.3f}")
+        dec = st.get("decode_ms")
+        lines.append(f"| {_md_cell(a['name'])} | {st['windows']} | {' | '.join(cells)} | {st['gap_ms']:.3f} "
+                     f"| {'-' if dec is None else f'{dec:.3f}'} |")
+    return lines
 
 
 def swapped_run(run: dict) -> bool:
@@ -608,6 +675,7 @@ def render_markdown(run: dict) -> str:
                 f"| {_fmt_mib(c.get('bytes_vram'))} | {'-' if mean is None else f'{mean:.3f}'} "
                 f"| {'-' if step is None else f'{step:.2f}'} "
                 f"| {_fmt_count(c.get('batches_cached'))} | {_fmt_count(c.get('batches_bypassed'))} |")
+    lines += _split_time_lines(run)
     if run.get("plots") or run.get("plots_note"):
         lines += ["", "## Plots", ""]
         lines += [f"![{name}]({name})" for name in run.get("plots") or []]

@@ -22,7 +22,7 @@ from ..gguf import check_model_file
 from ..process import ServerError, ServerProcess, server_binary
 from ..server import ensure_synth_model
 from .ballast import GIB, Ballast, BallastError, ballast_command
-from .report import display_path, git_commit, hardware, llama_cpp_commit, write_results
+from .report import display_path, git_commit, hardware, llama_cpp_commit, split_times, write_results
 from .scenario import Arm, ModelSpec, PromptSet, Scenario, ScenarioError
 from .stats import SPEC_KEYS, add_ratios, summarize, summarize_speculation
 
@@ -914,6 +914,15 @@ def _progress(prompt: str, length: int | None, users: int, rep: int, reps: int, 
             f"({s['predicted_n']} tokens in all){spec}{warn}")
 
 
+def _sched_times_period(env: dict) -> int:
+    """The window of an arm run with GGML_SCHED_TIMES=N (N > 1: reported every N graphs), else 0."""
+    try:
+        n = int(env.get("GGML_SCHED_TIMES", "0"))
+    except ValueError:
+        return 0
+    return n if n > 1 else 0
+
+
 def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out: TextIO | None = None,
                  logs_dir: Path | None = None, plots: bool = True) -> tuple[dict, tuple[Path, Path] | None]:
     """Measure every arm of `sc`; write the md + json results to `out_dir` (unless dry_run), with their
@@ -1204,6 +1213,15 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             finally:
                 rc = srv.stop()
                 rec["exit_status"] = rc
+                period = _sched_times_period(arm_env(sc, arm))
+                if period:
+                    # read before the log goes: the reports of every window and the one at the end
+                    st = split_times(srv.log_text(), period)
+                    if st:
+                        rec["split_times"] = st
+                        say(f"  split times ({st['windows']} windows of {period} graphs): " + ", ".join(
+                            f"{n} {b['copy_ms']:.2f} + {b['compute_ms']:.2f} ms" for n, b in st["backends"].items())
+                            + f", host gap {st['gap_ms']:.2f} ms per graph")
                 if rec.get("error"):
                     say(f"  server log kept at {srv.log_path}")
                 else:
