@@ -1931,12 +1931,14 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
     // stayed empty through the first tokens). LLAMA_MOE_CACHE_WARM_INTERLEAVE=0: layer after layer
     std::vector<upload_job> jobs;
     if (warm_interleave) {
-        for (size_t rank = 0, left = 1; left > 0; ++rank) {
-            left = 0;
+        size_t ranks = 0;
+        for (const auto & lj : by_layer) {
+            ranks = std::max(ranks, lj.size());
+        }
+        for (size_t rank = 0; rank < ranks; ++rank) {
             for (const auto & lj : by_layer) {
                 if (rank < lj.size()) {
                     jobs.push_back(lj[rank]);
-                    left += lj.size() - rank - 1;
                 }
             }
         }

@@ -79,11 +79,11 @@ struct llama_moe_cache_layer {
     // on a GPU
     ggml_tensor * ids_out = nullptr;
     int32_t       readback = -1;     // index in llama_moe_cache::readbacks
+    size_t        ids_offset = 0;    // elements of ids_out into the readback's tensor
 
     // the maps (all rows) on the layer's device, kept there between graphs; null: the graphs take them as an
     // input, copied to the device for every split that reads them
     ggml_tensor * maps = nullptr;
-    size_t        ids_offset = 0;    // elements of ids_out into the readback's tensor
 
     std::unique_ptr<llama_moe_layer_policy> policy;
     std::vector<int32_t> pins;           // pinned experts, kept while the banks are suspended
