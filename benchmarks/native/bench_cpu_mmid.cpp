@@ -18,12 +18,14 @@
 // GGML_CPU_MMID_FLAT=1 (the flat split) and GGML_CPU_DOT_X4=1 (the four-row dots) apply as in the
 // server; --flat and --x4 turn them on for this tool's CPU backend alone, through the per-context setters
 // (ggml_backend_cpu_set_mmid_flat, ggml_backend_cpu_set_dot_x4, found by name as llama.cpp finds them);
+// --flat-both times each mode without and then with the flat split on the same weights (a line each: a
+// choice between them without filling the experts twice);
 // --hugepages asks the CPU buffer for transparent huge pages (the switch behind --host-hugepages); --repack puts the
 // weights in the CPU's repack buffer (the layout and kernels the CPU takes by default, which the hot-expert
 // cache cannot upload from); exit status 3 where this CPU has no repacked layout for the type.
 //
 //   bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]
-//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]
+//                  [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat | --flat-both] [--x4]
 //                  [--type q4_0|q8_0|q4_K|q5_K|q6_K|iq4_xs|mxfp4] [--seed S]
 //   (defaults: the Qwen3-30B-A3B shape: 48 layers, 128 experts, 8 used, 768 x 2048; 32 tokens; the
 //   machine's hardware threads; both modes; a gap of 60 us)
@@ -128,7 +130,7 @@ static void fill_blocks(const std::vector<ggml_tensor *> & tensors, ggml_type ty
 int main(int argc, char ** argv) {
     int64_t n_layer = 48, n_tokens = 32, n_expert = 128, n_used = 8, n_ff = 768, n_embd = 2048, gap_us = 60;
     uint64_t seed = 1;
-    bool hugepages = false, repacked = false, flat = false, x4 = false;
+    bool hugepages = false, repacked = false, flat = false, x4 = false, flat_both = false;
     ggml_type wtype = GGML_TYPE_Q4_0;
     std::vector<int64_t> threads = { (int64_t) std::max(1u, std::thread::hardware_concurrency()) };
     std::vector<std::string> modes = { "graph", "split" };
@@ -148,6 +150,7 @@ int main(int argc, char ** argv) {
         else if (a == "--hugepages") { hugepages = true; }
         else if (a == "--repack") { repacked = true; }
         else if (a == "--flat") { flat = true; }
+        else if (a == "--flat-both") { flat_both = true; }
         else if (a == "--x4") { x4 = true; }
         else if (a == "--type") {
             const std::string t = need();
@@ -177,7 +180,7 @@ int main(int argc, char ** argv) {
             }
         } else {
             fprintf(stderr, "usage: bench-cpu-mmid [-l LAYERS] [-t THREADS,...] [-n TOKENS] [-m graph,split] [--gap-us US]\n"
-                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat] [--x4]\n"
+                            "                      [-e N_EXPERT] [-u N_USED] [-f N_FF] [-d N_EMBD] [--hugepages] [--repack] [--flat | --flat-both] [--x4]\n"
                             "                      [--type q4_0|q8_0|q4_K|q5_K|q6_K|iq4_xs|mxfp4] [--seed S]\n");
             return a == "-h" || a == "--help" ? 0 : 2;
         }
@@ -214,6 +217,11 @@ int main(int argc, char ** argv) {
         }
         set_huge(1);
     }
+    auto * set_flat = (void (*)(ggml_backend_t, bool)) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_mmid_flat");
+    if (flat_both && !set_flat) {
+        fprintf(stderr, "bench-cpu-mmid: --flat-both: this build's CPU backend has no ggml_backend_cpu_set_mmid_flat\n");
+        return 1;
+    }
     for (const auto & [on, name] : { std::pair<bool, const char *>{ flat, "ggml_backend_cpu_set_mmid_flat" },
                                      std::pair<bool, const char *>{ x4,   "ggml_backend_cpu_set_dot_x4" } }) {
         auto * set = on ? (void (*)(ggml_backend_t, bool)) ggml_backend_reg_get_proc_address(reg, name) : nullptr;
@@ -228,6 +236,9 @@ int main(int argc, char ** argv) {
     // what the backend's plans take: the environment's default, or'ed with this backend's own switch
     const char * flat_env = getenv("GGML_CPU_MMID_FLAT");
     const int mmid_flat = flat || (flat_env && atoi(flat_env) != 0);
+    // the flat split's settings to time: as set, or off and then on (--flat-both; the environment's default
+    // stays or'ed with the switch, so GGML_CPU_MMID_FLAT=1 makes both flat)
+    std::vector<int> flats = flat_both ? std::vector<int>{ flat_env && atoi(flat_env) != 0, 1 } : std::vector<int>{ mmid_flat };
     const char * x4_env = getenv("GGML_CPU_DOT_X4");
     const int dot_x4 = x4 || (x4_env && atoi(x4_env) != 0);
 
@@ -288,6 +299,9 @@ int main(int argc, char ** argv) {
     ggml_backend_tensor_set(x, xv.data(), 0, ggml_nbytes(x));
     std::vector<int32_t> experts(n_expert);
     std::iota(experts.begin(), experts.end(), 0);
+    // every timed run (each mode, each flat setting) routes the same tokens: its checksum compares
+    const std::mt19937_64 rng_start = rng;
+    const std::vector<int32_t> experts_start = experts;
     auto route = [&]() { // n_used distinct experts per layer, anew for every token
         int32_t * p = (int32_t *) ids->data;
         for (int64_t il = 0; il < n_layer; ++il) {
@@ -342,7 +356,12 @@ int main(int argc, char ** argv) {
         }
         set_n_threads(backend, (int) nt); // the graph's plan and the pool agree, as llama.cpp sets them
         tp_set(backend, tp);
-        for (const std::string & mode : modes) {
+        for (const std::string & mode : modes) for (const int f : flats) {
+            if (flat_both) {
+                set_flat(backend, f != 0);
+            }
+            rng = rng_start;
+            experts = experts_start;
             const int64_t per_graph = mode == "graph" ? n_layer : 1;
             std::vector<ggml_context *> ctxs;
             std::vector<ggml_cgraph *> graphs;
@@ -384,7 +403,7 @@ int main(int argc, char ** argv) {
                    "\"hugepages\": %d, \"mmid_flat\": %d, \"dot_x4\": %d, \"repack\": %d, \"type\": \"%s\", \"checksum\": \"%016llx\"}\n",
                 mode.c_str(), (long long) nt, (long long) n_layer, (long long) n_tokens,
                 (long long) (mode == "split" ? gap_us : 0), med, ms.front(), gb_per_token, gb_per_token/(med/1e3),
-                hugepages ? 1 : 0, mmid_flat, dot_x4, repacked ? 1 : 0, ggml_type_name(wtype), (unsigned long long) sum);
+                hugepages ? 1 : 0, f, dot_x4, repacked ? 1 : 0, ggml_type_name(wtype), (unsigned long long) sum);
             fflush(stdout);
             for (size_t i = 0; i < graphs.size(); ++i) {
                 ggml_gallocr_free(allocs[i]);

@@ -317,8 +317,9 @@ def measure_cpu_experts(model: Path, threads: int | None = None, n_used: int | N
                 "-n", "16", "-t", str(threads), "-m", "graph", "--type", name]
         # the flat split (one run of rows per thread) wins for Q4_0 and Q8_0 and loses for Q5_K, Q6_K and IQ4_XS
         # on an H100 machine's Xeon: timed both ways, the model's bytes choose one setting for all its types
-        flat = _bench_gb_s(base + ["--hugepages", "--flat", "--x4"])
-        split = _bench_gb_s(base + ["--hugepages", "--x4"])
+        # one run, the same weights and tokens timed without and with it
+        by_flat = _bench_gb_s_by_flat(base + ["--hugepages", "--x4", "--flat-both"])
+        split, flat = by_flat[0], by_flat[1]
         stock = _bench_gb_s(base + ["--repack"], repack=True)
         repacked = stock is not None
         if stock is None:
@@ -350,10 +351,21 @@ def _bench_binary() -> Path:
         raise PlanError(str(e)) from None
 
 
-def _bench_gb_s(args: list[str], repack: bool = False) -> float | None:
-    """The rate (bytes/s) of one bench-cpu-mmid run at its fastest token (the best of its tokens, as the host read
-    is the best of its repetitions: what the machine does when nothing else runs); None for --repack where the
-    CPU has no repacked layout for the type (exit status 3)."""
+def _bench_gb_s_by_flat(args: list[str]) -> dict[int, float]:
+    """bench-cpu-mmid --flat-both: the rate (bytes/s) at the fastest token without (0) and with (1) the flat split."""
+    rows = _bench_rows(args)
+    rates = {f: max((_row_rate(x) for x in rows if int(x.get("mmid_flat", -1)) == f), default=0.0) for f in (0, 1)}
+    if not all(rates.values()):
+        raise PlanError(f"{Path(args[0]).name} --flat-both gave no line for each setting of the flat split")
+    return rates
+
+
+def _row_rate(row: dict) -> float:
+    return float(row["gb_per_token"]) * 1e9 / (float(row["ms_min"]) * 1e-3)
+
+
+def _bench_rows(args: list[str], repack: bool = False) -> list[dict] | None:
+    """bench-cpu-mmid's result lines; None for --repack where the CPU has no repacked layout (exit status 3)."""
     try:
         r = subprocess.run(args, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -363,7 +375,15 @@ def _bench_gb_s(args: list[str], repack: bool = False) -> float | None:
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")] if r.returncode == 0 else []
     if not rows or not all(float(x.get("ms_min", 0)) > 0 and float(x.get("gb_per_token", 0)) > 0 for x in rows):
         raise PlanError(f"{Path(args[0]).name} failed (exit status {r.returncode}): {r.stderr.strip()[-300:]}")
-    return max(float(x["gb_per_token"]) * 1e9 / (float(x["ms_min"]) * 1e-3) for x in rows)
+    return rows
+
+
+def _bench_gb_s(args: list[str], repack: bool = False) -> float | None:
+    """The rate (bytes/s) of one bench-cpu-mmid run at its fastest token (the best of its tokens, as the host read
+    is the best of its repetitions: what the machine does when nothing else runs); None for --repack where the
+    CPU has no repacked layout for the type (exit status 3)."""
+    rows = _bench_rows(args, repack)
+    return None if rows is None else max(_row_rate(x) for x in rows)
 
 
 def parse_bandwidth(text: str) -> Bandwidth:

@@ -142,6 +142,27 @@ def test_the_flat_split_is_exact_for_the_types_real_files_use():
     assert len({tuple(v) for v in sums.values()}) == len(FILE_TYPES), sums
 
 
+def test_flat_both_times_the_same_tokens_with_and_without_the_flat_split():
+    """--flat-both (the plan's timing at start) runs each mode without and then with the flat split on the same
+    weights: two lines, flat 0 then 1, and every run routes the same tokens, so the two checksums are equal
+    (the flat split is exact); the same checksum as a run of its own with --flat."""
+    import json
+    import os
+
+    exe = binary("bench-cpu-mmid")
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_MMID_FLAT", "GGML_CPU_DOT_X4")}
+    base = [str(exe), "-l", "2", "-e", "16", "-u", "2", "-f", "256", "-d", "512", "-n", "3", "-t", "2",
+            "-m", "graph,split", "--type", "q4_K"]
+    r = subprocess.run(base + ["--flat-both"], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(x["mode"], x["mmid_flat"]) for x in rows] == [("graph", 0), ("graph", 1), ("split", 0), ("split", 1)]
+    assert len({x["checksum"] for x in rows}) == 1, rows
+    alone = subprocess.run(base + ["--flat"], capture_output=True, text=True, timeout=120, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert {json.loads(line)["checksum"] for line in alone.stdout.splitlines() if line.startswith("{")} == {rows[0]["checksum"]}
+
+
 def test_the_four_row_dots_are_exact_for_mxfp4():
     """gpt-oss's MXFP4 experts have a four-row kernel too (GGML_CPU_DOT_X4=1, x86 with AVX2): with it, alone and
     with the flat split, the outputs' checksum is the one-row kernel's, bit for bit, with an even count of
