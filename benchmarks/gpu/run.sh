@@ -294,17 +294,18 @@ while [ $i -lt ${#phases[@]} ]; do
         for t in ${CPU_TYPES:-q4_0 q4_K q5_K q6_K q8_0 iq4_xs mxfp4}; do
             # the stock split, the flat split, and the layout llama-server's defaults repack the CPU's experts to
             # (the comparison a user makes: its CPU layers run repacked, the cache's misses cannot)
-            # (and the flat split with the four-row dots, for the types that have them: Q4_0, MXFP4)
-            for mode in flat=0 flat=1 x4 repack; do
-                extra=(); flat=0; x4=0
-                case $mode in flat=1) flat=1 ;; x4) flat=1; x4=1 ;; repack) extra=(--repack) ;; esac
+            # (and the four-row dots, for the types that have them: Q4_0, MXFP4); --flat-both times the stock and
+            # the flat split in one run, on the same weights and tokens (their checksums equal)
+            for mode in split x4 repack; do
+                extra=(); x4=0
+                case $mode in split) extra=(--flat-both) ;; x4) x4=1; extra=(--flat-both) ;; repack) extra=(--repack) ;; esac
                 case $mode/$t in x4/q4_0|x4/mxfp4|x4/) ;; x4/*) continue ;; esac
                 # no repacked layout for the type on this CPU (bench-cpu-mmid exits with 3): llama-server keeps it
                 if [ "$mode" = repack ] && { "$mb" -l 1 -n 1 -t 1 -m graph --type "$t" --repack > /dev/null 2>&1; [ $? -eq 3 ]; }; then
                     log "cpu-types: $t: no repacked layout on this CPU"; continue
                 fi
                 # shellcheck disable=SC2086 # the flags are word lists
-                GGML_CPU_MMID_FLAT=$flat GGML_CPU_DOT_X4=$x4 "$mb" $targs --type "$t" "${extra[@]}" 2>> "$out/cpu-types.err" | tee -a "$out/cpu-types.jsonl" \
+                GGML_CPU_MMID_FLAT=0 GGML_CPU_DOT_X4=$x4 "$mb" $targs --type "$t" "${extra[@]}" 2>> "$out/cpu-types.err" | tee -a "$out/cpu-types.jsonl" \
                     | python3 -c 'import json, sys; [print("cpu-types: %(type)s t=%(threads)d flat=%(mmid_flat)d x4=%(dot_x4)d repack=%(repack)d: %(ms_per_token).2f ms/token, %(gb_s).1f GB/s" % r) for r in map(json.loads, sys.stdin)]' \
                     | tee -a "$out/run.log" || { tail -20 "$out/cpu-types.err"; failed=1; }
             done
