@@ -86,7 +86,9 @@ extern "C" {
 
     //
     // Prefill-phase swap: a prompt of at least min_tokens runs at a larger ubatch (llama_context_params.prefill_swap).
-    // begin() waits for the cache's uploads, frees its slot banks, the compute buffers and the backends'
+    // begin() waits for the cache's uploads, frees its slot banks (the first swap all of them; later ones only
+    // what the earlier prompts took, plus the headroom, from the last layer back: the other layers stay warm;
+    // LLAMA_PREFILL_SWAP_PARTIAL=0 always frees all), the compute buffers and the backends'
     // scratch (pools, captured device graphs), and reserves the compute buffers for the prefill ubatch;
     // end() frees those and restores the decode configuration: compute buffers at n_ubatch, the banks
     // (warm: filled with the prompt's most-routed experts, published after their copies). Every failed
@@ -131,6 +133,12 @@ extern "C" {
         uint64_t after_restore_tokens;
         uint64_t after_restore_hits;
         uint64_t after_restore_misses;
+        // partial release: a swap after the first frees only the banks its prompt needs (what the swaps before
+        // measured, plus the headroom, from the last layer back) and keeps the other layers warm
+        uint64_t n_partial;           // swaps that kept some banks
+        uint64_t n_partial_fallbacks; // partial releases that freed every bank after all (the prompt's buffers or the
+                                      // parked banks did not fit beside the kept ones)
+        uint64_t bytes_kept;          // the last swap: bank bytes kept beside the prompt's buffers
     };
 
     LLAMA_API struct llama_prefill_swap_params llama_prefill_swap_default_params(void);

@@ -152,6 +152,13 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     warm_blend = !env_blend || atoi(env_blend) != 0;
     const char * env_interleave = getenv("LLAMA_MOE_CACHE_WARM_INTERLEAVE");
     warm_interleave = !env_interleave || atoi(env_interleave) != 0;
+    // LLAMA_PREFILL_SWAP_PARTIAL=0: every prefill-phase swap frees all the banks (the partial release off)
+    const char * env_partial = getenv("LLAMA_PREFILL_SWAP_PARTIAL");
+    park_enabled = !env_partial || atoi(env_partial) != 0;
+    // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): a partial release frees at least this much per device (on a GPU
+    // whose prompts take nothing of the banks' memory, it parks layers all the same)
+    const char * env_park = getenv("LLAMA_PREFILL_SWAP_PARK_MIB");
+    park_min_bytes = env_park && env_park[0] ? (size_t) (std::max(0.0, std::strtod(env_park, nullptr)) * 1048576.0) : 0;
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
     use_tables = !env_table || atoi(env_table) != 0;
@@ -297,8 +304,11 @@ void llama_moe_cache::stop(const char * why) {
         disable(why);
     }
     staging_buf.reset();
-    bufs.clear();
-    ctxs.clear();
+    for (auto & l : layers) {
+        free_banks(l);
+        l.parked = false;
+    }
+    is_parking = false;
     bank_bytes.clear();
     for (auto & l : layers) {
         for (auto & t : l.mapped) {
@@ -358,8 +368,11 @@ void llama_moe_cache::disable(const std::string & why) {
 
 void llama_moe_cache::release_banks(const std::string & why) {
     disable(why);
-    bufs.clear();
-    ctxs.clear();
+    for (auto & l : layers) {
+        free_banks(l);
+        l.parked = false;
+    }
+    is_parking = false;
     bank_bytes.clear();
     n_slots = 0;
 }
@@ -381,6 +394,101 @@ void llama_moe_cache::disable_layer(llama_moe_cache_layer & l, const std::string
         n_cached == 0 ? " (no cached layer is left: the hot-expert cache is off)" : "");
 }
 
+llama_moe_policy_config llama_moe_cache::policy_config() const {
+    llama_moe_policy_config pc;
+    pc.n_expert     = n_exp;
+    pc.n_slots      = n_slots;
+    pc.kind         = params.policy == LLAMA_MOE_CACHE_POLICY_LRU ? LLAMA_MOE_POLICY_LRU : LLAMA_MOE_POLICY_FREQ;
+    pc.interval     = params.rebalance_interval;
+    pc.admit_misses = params.admit_misses;
+    pc.admit_window = params.admit_window;
+    pc.max_uploads  = params.max_uploads;
+    return pc;
+}
+
+void llama_moe_cache::free_banks(llama_moe_cache_layer & l) {
+    for (auto & b : l.bank) {
+        b = nullptr;
+    }
+    for (auto & b : l.bias) {
+        b = nullptr;
+    }
+    if (l.bank_buf) {
+        auto & bytes = bank_bytes[ggml_backend_buffer_get_type(l.bank_buf.get())];
+        bytes -= std::min(bytes, ggml_backend_buffer_get_size(l.bank_buf.get()));
+    }
+    l.bank_buf.reset();
+    l.bank_ctx.reset();
+}
+
+bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_fail) {
+    // one context and buffer per layer: slot banks [ne0, ne1, n_slots] of the experts' types, the bias copies
+    for (size_t i = 0; i < ils.size(); ++i) {
+        auto & l = layers[ils[i]];
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(l.dev);
+        ggml_init_params ip = { 7*ggml_tensor_overhead(), nullptr, true };
+        ggml_context_ptr ctx(ggml_init(ip));
+        if (!ctx) {
+            LLAMA_LOG_ERROR("%s: cannot create the slot banks' tensor context\n", __func__);
+            for (size_t j = 0; j < i; ++j) {
+                free_banks(layers[ils[j]]);
+            }
+            return false;
+        }
+        static const char * part[3] = { "up", "gate", "down" };
+        for (int k = 0; k < 3; ++k) {
+            if (l.src[k]) {
+                l.bank[k] = ggml_new_tensor_3d(ctx.get(), l.src[k]->type, l.src[k]->ne[0], l.src[k]->ne[1], n_slots);
+                ggml_format_name(l.bank[k], "moe_cache.blk.%d.%s", l.il, part[k]);
+            }
+        }
+        static const char * bias_part[4] = { "up", "gate", "down", "gate_up" };
+        for (int k = 0; k < 4; ++k) {
+            if (l.bias_src[k]) {
+                l.bias[k] = ggml_new_tensor_2d(ctx.get(), l.bias_src[k]->type, l.bias_src[k]->ne[0], n_exp + 1);
+                ggml_format_name(l.bias[k], "moe_cache.blk.%d.%s.bias", l.il, bias_part[k]);
+            }
+        }
+        const bool inject = inject_fail && i == 0;
+        ggml_backend_buffer_t buf = inject ? nullptr : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (!buf) {
+            size_t need = 0;
+            for (size_t j = i; j < ils.size(); ++j) {
+                need += (size_t) n_slots*layers[ils[j]].slot_bytes;
+            }
+            LLAMA_LOG_ERROR("%s: failed to allocate %.1f MiB of slot banks in %s%s: the hot-expert cache is off "
+                "(lower --moe-cache-slots / --moe-cache-size, or raise --moe-cache-headroom)\n",
+                __func__, need/1048576.0, ggml_backend_buft_name(buft), inject ? " (injected: LLAMA_MOE_CACHE_FAIL)" : "");
+            for (auto & b : l.bank) {
+                b = nullptr;
+            }
+            for (auto & b : l.bias) {
+                b = nullptr;
+            }
+            for (size_t j = 0; j < i; ++j) {
+                free_banks(layers[ils[j]]);
+            }
+            return false;
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        ggml_backend_buffer_clear(buf, 0);
+        // the biases are small (n_ff x n_expert per tensor): copied whole, once per allocation, in front of the
+        // zero column (the buffer was cleared)
+        std::vector<uint8_t> bias_data;
+        for (int k = 0; k < 4; ++k) {
+            if (l.bias[k]) {
+                bias_data.resize(ggml_nbytes(l.bias_src[k]));
+                ggml_backend_tensor_get(l.bias_src[k], bias_data.data(), 0, bias_data.size());
+                ggml_backend_tensor_set(l.bias[k], bias_data.data(), 0, bias_data.size());
+            }
+        }
+        bank_bytes[buft] += ggml_backend_buffer_get_size(buf);
+        l.bank_buf.reset(buf);
+        l.bank_ctx = std::move(ctx);
+    }
+    return true;
+}
+
 void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t, size_t> & context_bytes) {
     if (wanted_slots <= 0 || n_cached > 0) {
         return;
@@ -394,9 +502,11 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
 
     // slots per layer: the asked-for count, clamped to what each device has left after the model, the
     // context and its compute buffers, minus the headroom
-    std::map<ggml_backend_dev_t, size_t> dev_bytes; // bytes per slot, per device
+    std::map<ggml_backend_dev_t, size_t> dev_bytes;  // bytes per slot, per device
+    std::map<ggml_backend_dev_t, size_t> dev_layers; // layers with banks there (one buffer each)
     for (const auto & [dev, per_slot] : slot_bytes_by_dev()) {
-        dev_bytes[dev] = per_slot.first;
+        dev_bytes[dev]  = per_slot.first;
+        dev_layers[dev] = (size_t) per_slot.second;
     }
     const size_t headroom = (size_t) params.headroom_mib << 20;
     int64_t slots = wanted_slots;
@@ -429,6 +539,10 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             LLAMA_LOG_DEBUG("%s: %s has %.1f MiB less free than at the cache's first allocation: %.1f MiB of the headroom kept free\n",
                 __func__, ggml_backend_dev_name(dev), taken/1048576.0, keep/1048576.0);
         }
+        // each layer's banks are a buffer of their own: a device allocator may round each one up (to 2 MiB pages)
+        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            keep += dev_layers[dev] << 21;
+        }
         const int64_t fit = free > keep ? (int64_t) ((free - keep) / per_slot) : 0;
         if (fit < slots) {
             // a resume (prefill-phase swap) says it once per prompt: at debug level
@@ -445,86 +559,23 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
     }
     n_slots = (int32_t) slots;
 
-    // one context and buffer per buffer type: slot banks [ne0, ne1, n_slots] of the experts' types
-    std::map<ggml_backend_buffer_type_t, std::vector<size_t>> by_buft;
+    std::vector<size_t> ils;
     for (size_t il = 0; il < layers.size(); ++il) {
         if (layers[il].reason.empty() && layers[il].slot_bytes > 0) {
-            by_buft[ggml_backend_dev_buffer_type(layers[il].dev)].push_back(il);
+            ils.push_back(il);
         }
     }
-    for (auto & [buft, ils] : by_buft) {
-        ggml_init_params ip = { ils.size()*7*ggml_tensor_overhead(), nullptr, true };
-        ggml_context_ptr ctx(ggml_init(ip));
-        if (!ctx) {
-            LLAMA_LOG_ERROR("%s: cannot create the slot banks' tensor context: the hot-expert cache is off\n", __func__);
-            release_banks("allocation failed");
-            return;
-        }
-        for (size_t il : ils) {
-            auto & l = layers[il];
-            static const char * part[3] = { "up", "gate", "down" };
-            for (int k = 0; k < 3; ++k) {
-                if (!l.src[k]) {
-                    continue;
-                }
-                l.bank[k] = ggml_new_tensor_3d(ctx.get(), l.src[k]->type, l.src[k]->ne[0], l.src[k]->ne[1], n_slots);
-                ggml_format_name(l.bank[k], "moe_cache.blk.%zu.%s", il, part[k]);
-            }
-            static const char * bias_part[4] = { "up", "gate", "down", "gate_up" };
-            for (int k = 0; k < 4; ++k) {
-                if (l.bias_src[k]) {
-                    l.bias[k] = ggml_new_tensor_2d(ctx.get(), l.bias_src[k]->type, l.bias_src[k]->ne[0], n_exp + 1);
-                    ggml_format_name(l.bias[k], "moe_cache.blk.%zu.%s.bias", il, bias_part[k]);
-                }
-            }
-        }
-        const bool inject = fail_now(fail_alloc_at, ++n_allocs);
-        ggml_backend_buffer_t buf = inject ? nullptr : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
-        if (!buf) {
-            size_t need = 0;
-            for (size_t il : ils) {
-                for (ggml_tensor * t : layers[il].bank) {
-                    need += t ? ggml_backend_buft_get_alloc_size(buft, t) : 0;
-                }
-                for (ggml_tensor * t : layers[il].bias) {
-                    need += t ? ggml_backend_buft_get_alloc_size(buft, t) : 0;
-                }
-            }
-            LLAMA_LOG_ERROR("%s: failed to allocate %.1f MiB of slot banks in %s%s: the hot-expert cache is off "
-                "(lower --moe-cache-slots / --moe-cache-size, or raise --moe-cache-headroom)\n",
-                __func__, need/1048576.0, ggml_backend_buft_name(buft), inject ? " (injected: LLAMA_MOE_CACHE_FAIL)" : "");
-            release_banks("allocation failed");
-            return;
-        }
-        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        ggml_backend_buffer_clear(buf, 0);
-        // the biases are small (n_ff x n_expert per tensor): copied whole, once per allocation, in front of the
-        // zero column (the buffer was cleared)
-        std::vector<uint8_t> bias_data;
-        for (size_t il : ils) {
-            auto & l = layers[il];
-            for (int k = 0; k < 4; ++k) {
-                if (l.bias[k]) {
-                    bias_data.resize(ggml_nbytes(l.bias_src[k]));
-                    ggml_backend_tensor_get(l.bias_src[k], bias_data.data(), 0, bias_data.size());
-                    ggml_backend_tensor_set(l.bias[k], bias_data.data(), 0, bias_data.size());
-                }
-            }
-        }
-        bank_bytes[buft] += ggml_backend_buffer_get_size(buf);
-        bufs.emplace_back(buf);
-        ctxs.push_back(std::move(ctx));
+    if (!alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs))) {
+        release_banks("allocation failed");
+        return;
     }
+    for (size_t il : ils) {
+        layers[il].parked = false;
+    }
+    is_parking = false;
 
     size_t max_tensor = 0;
-    llama_moe_policy_config pc;
-    pc.n_expert     = n_exp;
-    pc.n_slots      = n_slots;
-    pc.kind         = params.policy == LLAMA_MOE_CACHE_POLICY_LRU ? LLAMA_MOE_POLICY_LRU : LLAMA_MOE_POLICY_FREQ;
-    pc.interval     = params.rebalance_interval;
-    pc.admit_misses = params.admit_misses;
-    pc.admit_window = params.admit_window;
-    pc.max_uploads  = params.max_uploads;
+    const llama_moe_policy_config pc = policy_config();
     for (auto & l : layers) {
         if (!l.reason.empty() || l.slot_bytes == 0) {
             continue;
@@ -1064,13 +1115,14 @@ void llama_moe_cache::update_routes() {
 //
 
 bool llama_moe_cache::active_for(int64_t n_tokens, bool warmup) const {
-    return n_cached > 0 && !warmup && n_tokens <= params.max_batch;
+    // while layers are parked for a swap's prompt, its graphs are the stock ones (as in a full suspension)
+    return n_cached > 0 && !is_parking && !warmup && n_tokens <= params.max_batch;
 }
 
 bool llama_moe_cache::observing(int64_t n_tokens, bool warmup) const {
     // warm_prompts: a prompt's routing is read back while a slot is still empty
     return !warmup && (trace != nullptr || collecting || active_for(n_tokens, warmup) ||
-        (params.warm_prompts && n_cached > 0 && !is_suspended && has_empty_slot()));
+        (params.warm_prompts && n_cached > 0 && !is_suspended && !is_parking && has_empty_slot()));
 }
 
 bool llama_moe_cache::is_routed(int32_t il, const ggml_tensor * up, const ggml_tensor * gate, const ggml_tensor * down,
@@ -1091,7 +1143,7 @@ ggml_tensor * llama_moe_cache::routed_ids_out(int32_t il, int64_t n_tokens) cons
 
 const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n_tokens, const ggml_tensor * up,
         const ggml_tensor * gate, const ggml_tensor * down, const ggml_tensor * gate_up) const {
-    if (il < 0 || il >= (int32_t) layers.size() || n_cached == 0 || n_tokens > params.max_batch) {
+    if (il < 0 || il >= (int32_t) layers.size() || n_cached == 0 || is_parking || n_tokens > params.max_batch) {
         return nullptr;
     }
     const auto & l = layers[il];
@@ -1112,7 +1164,7 @@ const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n
 
 void llama_moe_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch, bool warmup) {
     const int64_t n_tokens = ubatch.n_tokens;
-    if (n_cached > 0 || is_suspended) {
+    if (n_cached > 0 || is_suspended || is_parking) {
         if (warmup) {
             totals_extra.batches_bypassed[LLAMA_MOE_CACHE_BYPASS_WARMUP]++;
         } else if (active_for(n_tokens, warmup)) {
@@ -1197,7 +1249,7 @@ void llama_moe_cache::count_token(const pending_ubatch & ub, size_t t) {
             first = false;
         }
         auto & l = layers[pl.il];
-        const bool warm_prompt = params.warm_prompts && !is_suspended && n_cached > 0;
+        const bool warm_prompt = params.warm_prompts && !is_suspended && !is_parking && n_cached > 0;
         if ((collecting || warm_prompt) && !ub.cache_active && l.reason.empty()) {
             if (prompt_counts.empty()) {
                 prompt_counts.assign(layers.size()*(size_t) n_exp, 0);
@@ -1278,7 +1330,7 @@ void llama_moe_cache::commit(ggml_backend_sched_t sched, const llama_memory_i * 
     }
     // warm_prompts: the prompt's most-routed experts into the empty slots before its tokens decode (a swap's
     // prompt is counted for the swap's own warm restore instead)
-    if (params.warm_prompts && !collecting && !is_suspended && n_cached > 0 && !prompt_counts.empty()) {
+    if (params.warm_prompts && !collecting && !is_suspended && !is_parking && n_cached > 0 && !prompt_counts.empty()) {
         n_prompt_warm_uploads += queue_warm(warm_rank());
         prompt_counts.clear();
     }
@@ -1400,7 +1452,7 @@ void llama_moe_cache::step(ggml_backend_sched_t sched, const llama_memory_i * me
     }
     const auto t0 = std::chrono::steady_clock::now();
     commit(sched, memory);
-    if (n_cached > 0) {
+    if (n_cached > 0 && !is_parking) {
         update_routes();
         if (sync_uploads) {
             std::unique_lock<std::mutex> lock(mutex);
@@ -1418,7 +1470,7 @@ void llama_moe_cache::step(ggml_backend_sched_t sched, const llama_memory_i * me
 
 void llama_moe_cache::rebalance(ggml_backend_sched_t sched, const llama_memory_i * memory) {
     commit(sched, memory);
-    if (n_cached == 0) {
+    if (n_cached == 0 || is_parking) {
         return;
     }
     publish_done();
@@ -1442,12 +1494,14 @@ void llama_moe_cache::worker_main() {
             }
             job = queue.front();
             queue.pop_front();
+            running_il = job.il;
         }
         run_job(job);
         {
             std::lock_guard<std::mutex> lock(mutex);
             finished.push_back(job);
             in_flight--;
+            running_il = -1;
         }
         cv.notify_all();
     }
@@ -1499,36 +1553,61 @@ void llama_moe_cache::run_job(upload_job & job) {
 // prefill-phase swap
 //
 
+uint64_t llama_moe_cache::drop_uploads(const std::vector<bool> & drop) {
+    std::vector<upload_job> dropped;
+    {
+        std::unique_lock<std::mutex> lock(mutex);
+        std::deque<upload_job> rest;
+        for (auto & job : queue) {
+            if (drop[job.il]) {
+                dropped.push_back(job);
+            } else {
+                rest.push_back(job);
+            }
+        }
+        queue.swap(rest);
+        in_flight -= (int32_t) dropped.size();
+        cv.wait(lock, [&] { return running_il < 0 || !drop[running_il]; });
+    }
+    uint64_t warm = 0;
+    for (const auto & job : dropped) {
+        warm += job.warm ? 1 : 0;
+        auto & l = layers[job.il];
+        if (l.cached()) {
+            l.policy->done(job.slot, false); // the slot stays empty (it was unpublished when the copy was planned)
+        }
+    }
+    n_warm_dropped += warm;
+    if (warm > 0) {
+        fail_next_upload = false; // an injected failure meant for a dropped warm upload
+    }
+    return warm;
+}
+
 size_t llama_moe_cache::suspend(bool collect_routing) {
     // only a cache that can come back collects (a cache that is off would keep observing every batch)
-    collecting = collect_routing && (n_cached > 0 || is_suspended);
+    collecting = collect_routing && (n_cached > 0 || is_suspended || is_parking);
     if (collecting) {
         prompt_counts.assign(layers.size()*(size_t) n_exp, 0);
     }
-    if (n_cached == 0) {
+    if (n_cached == 0 && !is_parking) {
         return 0;
     }
     // no copy may still write into a bank that is freed. Copies not started are dropped, not waited for:
     // the banks and the policies that planned them go now. A prompt that comes right after a restore then
     // does not wait for that restore's warm uploads (seconds of copies on a slow link).
-    {
-        std::unique_lock<std::mutex> lock(mutex);
-        uint64_t warm = 0;
-        for (const auto & job : queue) {
-            warm += job.warm ? 1 : 0;
-        }
-        in_flight -= (int32_t) queue.size();
-        queue.clear();
-        n_warm_dropped += warm;
-        if (warm > 0) {
-            fail_next_upload = false; // an injected failure meant for a dropped warm upload
-        }
-        cv.wait(lock, [this] { return in_flight == 0; });
-    }
+    drop_uploads(std::vector<bool>(layers.size(), true));
     // the copies made are published (counted, a failed one turns its layer off) and unpublished below
     publish_done();
+    if (!is_parking) {
+        freed_for_prompt.clear();
+    }
+    size_t bytes = 0;
     for (auto & l : layers) {
         if (!l.cached()) {
+            if (l.parked) {
+                l.parked = false; // its banks went at park(); it comes back with the others
+            }
             continue;
         }
         for (int32_t e = 0; e < n_exp; ++e) {
@@ -1544,20 +1623,200 @@ size_t llama_moe_cache::suspend(bool collect_routing) {
             }
         }
         l.policy.reset(); // the layer stays eligible: its reason stays empty
-        for (auto & b : l.bank) {
-            b = nullptr;
-        }
+        const size_t b = l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
+        freed_for_prompt[l.dev] += b;
+        bytes += b;
+        free_banks(l);
     }
-    const size_t bytes = bytes_banks();
-    bufs.clear();
-    ctxs.clear();
     bank_bytes.clear();
     resume_slots = std::max(resume_slots, n_slots);
     n_slots      = 0;
     n_cached     = 0;
     is_suspended = true;
+    is_parking   = false;
+    kept_bytes   = 0;
     after_resume_left = 0;
     return bytes;
+}
+
+bool llama_moe_cache::can_park() const {
+    // a cache below the slots it had (a restore that did not fit them) is sized again by a full release
+    if (!park_enabled || is_suspended || is_parking || n_cached == 0 || prompt_need.empty() || n_slots < resume_slots) {
+        return false;
+    }
+    for (const auto & l : layers) {
+        if (l.cached() && prompt_need.find(l.dev) == prompt_need.end()) {
+            return false; // a device no swap measured
+        }
+    }
+    return true;
+}
+
+size_t llama_moe_cache::n_parked_layers() const {
+    size_t n = 0;
+    for (const auto & l : layers) {
+        n += l.parked ? 1 : 0;
+    }
+    return n;
+}
+
+size_t llama_moe_cache::park(bool collect_routing) {
+    if (!can_park()) {
+        return 0;
+    }
+    collecting = collect_routing;
+    if (collecting) {
+        prompt_counts.assign(layers.size()*(size_t) n_exp, 0);
+    }
+    // per device: the measured need plus the headroom, from the last layer back
+    const size_t headroom = (size_t) params.headroom_mib << 20;
+    std::map<ggml_backend_dev_t, size_t> want, got;
+    for (const auto & [dev, need] : prompt_need) {
+        const size_t bytes = std::max(need > 0 ? (size_t) need : 0, park_min_bytes);
+        want[dev] = bytes > 0 ? bytes + headroom : 0;
+    }
+    std::vector<bool> chosen(layers.size(), false);
+    for (size_t i = layers.size(); i-- > 0;) {
+        const auto & l = layers[i];
+        if (l.cached() && got[l.dev] < want[l.dev]) {
+            chosen[i] = true;
+            got[l.dev] += l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
+        }
+    }
+    // the kept layers' queued copies are dropped too: they would share the link with the prompt's weights
+    drop_uploads(std::vector<bool>(layers.size(), true));
+    publish_done();
+    freed_for_prompt.clear();
+    size_t bytes = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+        auto & l = layers[i];
+        if (!chosen[i] || !l.cached()) { // a layer can be turned off by a failed copy published just now
+            continue;
+        }
+        for (int32_t e = 0; e < n_exp; ++e) {
+            if (l.published[e] >= 0) {
+                set_map(l.il, e, -1);
+            }
+        }
+        l.stats.rebalances += l.policy->n_rebalances();
+        l.pins.clear();
+        for (int32_t e = 0; e < n_exp; ++e) {
+            if (l.policy->is_pinned(e)) {
+                l.pins.push_back(e);
+            }
+        }
+        l.policy.reset();
+        const size_t b = l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
+        freed_for_prompt[l.dev] += b;
+        bytes += b;
+        free_banks(l);
+        l.parked = true;
+        n_cached--;
+    }
+    for (const auto & [dev, need] : prompt_need) {
+        freed_for_prompt[dev] += 0; // a device that parked nothing is measured too
+    }
+    flush_tables();
+    routes_ver++;
+    is_parking = true;
+    kept_bytes = bytes_banks();
+    after_resume_left = 0;
+    LLAMA_LOG_DEBUG("%s: prefill swap: %zu layers' banks freed (%.1f MiB), %.1f MiB kept\n", __func__,
+        n_parked_layers(), bytes/1048576.0, kept_bytes/1048576.0);
+    return bytes;
+}
+
+size_t llama_moe_cache::free_for_banks(ggml_backend_dev_t dev, const std::map<ggml_backend_dev_t, size_t> & context_bytes) const {
+    if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+        if (host_device_mib < 0.0) {
+            return SIZE_MAX / 2; // host memory: the test device has no budget
+        }
+        const auto it = context_bytes.find(dev);
+        size_t used = it == context_bytes.end() ? 0 : it->second;
+        if (resuming || free_first.count(dev)) {
+            used += (size_t) (host_device_taken_mib * 1048576.0);
+        }
+        const size_t budget = (size_t) (host_device_mib * 1048576.0);
+        return budget > used ? budget - used : 0;
+    }
+    size_t free = 0, total = 0;
+    ggml_backend_dev_memory(dev, &free, &total);
+    return free;
+}
+
+void llama_moe_cache::measure_prompt(const std::map<ggml_backend_dev_t, size_t> & context_bytes) {
+    // what the prompt's buffers (compute, the backends' pools) took of the memory freed for it: the bank bytes
+    // freed minus what is still free at its end. Only grows: a longer prompt may need more than a shorter one
+    for (const auto & [dev, freed] : freed_for_prompt) {
+        const size_t free = free_for_banks(dev, context_bytes);
+        const int64_t need = (int64_t) freed - (int64_t) std::min(free, (size_t) INT64_MAX / 2);
+        auto it = prompt_need.find(dev);
+        if (it == prompt_need.end()) {
+            prompt_need[dev] = std::max<int64_t>(need, 0);
+        } else {
+            it->second = std::max(it->second, need);
+        }
+        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.1f MiB of banks freed, %.1f MiB free at the prompt's end: the next swaps free %.1f MiB "
+            "(+ the headroom)\n", __func__, ggml_backend_dev_name(dev), freed/1048576.0, std::min(free, freed)/1048576.0,
+            std::max<int64_t>(prompt_need[dev], 0)/1048576.0);
+    }
+    freed_for_prompt.clear();
+}
+
+bool llama_moe_cache::unpark(const std::map<ggml_backend_dev_t, size_t> & context_bytes, bool warm, bool fail_upload) {
+    if (!is_parking) {
+        return true;
+    }
+    std::vector<size_t> ils;
+    std::map<ggml_backend_dev_t, size_t> need;
+    for (size_t il = 0; il < layers.size(); ++il) {
+        if (layers[il].parked && layers[il].reason.empty()) {
+            ils.push_back(il);
+            need[layers[il].dev] += (size_t) n_slots*layers[il].slot_bytes;
+        }
+    }
+    // the same slot count beside the headroom's half (what a resume keeps at least); else the caller sizes again
+    const size_t headroom = (size_t) params.headroom_mib << 20;
+    for (const auto & [dev, bytes] : need) {
+        const size_t free = free_for_banks(dev, context_bytes);
+        if (free < bytes + headroom/2) {
+            LLAMA_LOG_DEBUG("%s: prefill swap: %.1f MiB of banks do not fit %s's %.1f MiB free beside the headroom: "
+                "every layer's banks are sized again\n", __func__, bytes/1048576.0, ggml_backend_dev_name(dev), free/1048576.0);
+            return false;
+        }
+    }
+    if (!alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs))) {
+        return false;
+    }
+    const llama_moe_policy_config pc = policy_config();
+    for (size_t il : ils) {
+        auto & l = layers[il];
+        l.policy = std::make_unique<llama_moe_layer_policy>(pc);
+        l.published.assign(n_exp, -1);
+        l.slot_published.assign(n_slots, -1);
+        l.n_published = 0;
+        l.complete    = false;
+        l.parked      = false;
+        for (int32_t e : l.pins) {
+            l.policy->pin(e);
+        }
+        if (l.table_dev >= 0) {
+            for (int32_t e = 0; e < n_exp; ++e) {
+                table_entry(l, e);
+            }
+        }
+        n_cached++;
+    }
+    flush_tables();
+    routes_ver++;
+    is_parking = false;
+    after_resume_left = LLAMA_PREFILL_SWAP_WARM_TOKENS;
+    collecting = false;
+    if (warm && !prompt_counts.empty() && !hold_empty) {
+        queue_warm(warm_rank(), fail_upload);
+    }
+    prompt_counts.clear();
+    return true;
 }
 
 bool llama_moe_cache::resume(const std::map<ggml_backend_dev_t, size_t> & context_bytes, bool warm, bool fail_upload,

@@ -48,6 +48,11 @@ struct llama_moe_cache_layer {
     // host expert tensors and their slot banks: (gate_up) or (up, gate), then down
     ggml_tensor * src[3]  = {};
     ggml_tensor * bank[3] = {};
+    // the layer's own context and buffer of its banks (and bias copies): a prefill-phase swap can free some
+    // layers' banks and keep the others
+    ggml_context_ptr        bank_ctx;
+    ggml_backend_buffer_ptr bank_buf;
+    bool                    parked = false; // banks freed for a swap's prompt, allocated again at its end
     size_t        slot_bytes = 0; // bytes of one expert over the layer's tensors
     ggml_backend_dev_t dev = nullptr;
 
@@ -204,6 +209,23 @@ struct llama_moe_cache {
     void end_collecting() { collecting = false; prompt_counts.clear(); }
     // the prompt's counts are kept for the warm restore, but no more graphs read the routing back
     void stop_collecting() { collecting = false; }
+    // partial release: the banks of some layers only, from the last layer back, so that each device frees what
+    // the last swaps' prompts measured they needed beyond what stayed free (plus the headroom); the other
+    // layers keep their banks and experts. While parked, no graph uses the cache (the prompt's graphs are the
+    // stock ones, as in a full suspension). can_park(): a swap has measured the need (the first swap of a
+    // context suspends everything) and LLAMA_PREFILL_SWAP_PARTIAL is not 0. Returns the bytes freed.
+    bool   can_park() const;
+    size_t park(bool collect_routing);
+    // the end of a swap's prompt: per device, what the prompt's buffers took of the memory freed for it
+    // (bank bytes freed minus what is free now); the next swaps park that much
+    void   measure_prompt(const std::map<ggml_backend_dev_t, size_t> & context_bytes);
+    // the parked layers' banks again, at the same slot count, warm (as resume()); false when they do not fit
+    // beside the headroom or an allocation fails (the caller suspends everything and resumes: the slots are
+    // then sized again)
+    bool   unpark(const std::map<ggml_backend_dev_t, size_t> & context_bytes, bool warm, bool fail_upload);
+    bool   parking()  const { return is_parking; }   // between park() and unpark() (or a suspension)
+    size_t bytes_kept() const { return kept_bytes; } // bank bytes the last park() kept
+    size_t n_parked_layers() const;
     bool    suspended() const { return is_suspended; }
     int32_t slots() const { return n_slots; }
     size_t  bytes_banks() const;
@@ -264,6 +286,17 @@ private:
     void table_entry(llama_moe_cache_layer & l, int32_t expert); // from published[] into the host copy
     void flush_tables();           // the changed entries (tables, maps) to the devices (between graphs)
     void make_device_maps();       // maps of the cached layers kept on their devices
+    // the banks of these layers, each in its own buffer, at n_slots; false (nothing of this call kept) when one
+    // allocation fails: that error is logged and the caller decides what follows
+    bool alloc_banks(const std::vector<size_t> & ils, bool inject_fail);
+    void free_banks(llama_moe_cache_layer & l); // the layer's buffer, its bank and bias tensors
+    llama_moe_policy_config policy_config() const; // a new layer policy's (n_slots slots)
+    // the free memory of a device for the banks: the host test device's budget minus what the context holds
+    // there (context_bytes, the banks included), or what the device reports
+    size_t free_for_banks(ggml_backend_dev_t dev, const std::map<ggml_backend_dev_t, size_t> & context_bytes) const;
+    // drops queued uploads of the layers `drop` marks (their policies are told the slots stayed empty) and waits
+    // for a running one of those; returns the warm uploads dropped
+    uint64_t drop_uploads(const std::vector<bool> & drop);
 
     // one I64 tensor per device holding its layers' tables, a host copy, and the range written since
     // the last flush
@@ -288,6 +321,12 @@ private:
 
     // prefill-phase swap
     bool     is_suspended = false;
+    bool     is_parking   = false;   // some layers parked, the others kept: no graph uses the cache
+    bool     park_enabled = true;    // LLAMA_PREFILL_SWAP_PARTIAL=0: every swap suspends everything
+    size_t   park_min_bytes = 0;     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): the least a partial release frees
+    size_t   kept_bytes   = 0;
+    std::map<ggml_backend_dev_t, size_t> freed_for_prompt; // bank bytes the current swap freed, per device
+    std::map<ggml_backend_dev_t, int64_t> prompt_need;     // the most a swap's prompt took of them, per device (-1: not measured)
     bool     resuming     = false;   // allocate() logs its summary at debug level
     int32_t  resume_slots = 0;       // the most slots the banks had: what a resume asks for
     bool     collecting   = false;   // count the routing of uncached batches (the prompt) per layer
@@ -364,8 +403,6 @@ private:
     int64_t  fail_map_at = 0; // LLAMA_MOE_CACHE_FAIL=map
     int64_t  n_maps      = 0;
 
-    std::vector<ggml_context_ptr>        ctxs;
-    std::vector<ggml_backend_buffer_ptr> bufs;
     std::map<ggml_backend_buffer_type_t, size_t> bank_bytes; // allocated, per buffer type
 
     // uploads
@@ -373,6 +410,7 @@ private:
     std::mutex              mutex;
     std::condition_variable cv;
     std::deque<upload_job>  queue;
+    int32_t                 running_il = -1; // the layer of the upload the worker is copying, -1
     std::vector<upload_job> finished;
     bool                    stopping = false;
     int32_t                 in_flight = 0;

@@ -124,7 +124,7 @@ size_t llama_context::swap_free_compute() {
 bool llama_context::swap_restore_decode() {
     bool clean = true;
     cparams.pipeline_parallel = swap_pp_decode;
-    // compute buffers at n_ubatch for the stock graphs (the cache is suspended); a second try after
+    // compute buffers at n_ubatch for the stock graphs (the cache is suspended or parked); a second try after
     // trimming again, then the next decode reserves
     for (int attempt = 0; attempt < 2; ++attempt) {
         try {
@@ -141,17 +141,32 @@ bool llama_context::swap_restore_decode() {
                 attempt == 0 ? ": trying again" : ": the next decode reserves them");
             if (attempt == 1) {
                 sched_need_reserve = true;
+                if (moe_cache && moe_cache->parking()) {
+                    moe_cache->suspend(false); // the kept banks too: the next restore sizes them all
+                }
                 LLAMA_LOG_WARN("%s: prefill swap: the hot-expert cache stays off until the next restore\n", __func__);
                 return false; // banks only beside reserved buffers
             }
             swap_free_compute();
         }
     }
-    if (!moe_cache || !moe_cache->suspended()) {
+    if (!moe_cache || (!moe_cache->suspended() && !moe_cache->parking())) {
         return clean;
     }
+    if (moe_cache->parking()) {
+        // a partial release: the parked layers' banks again, at their slot count; when they do not fit (or with
+        // the injected failure), every layer's banks go and are sized again as after a full release
+        const bool inject = swap_fail(SWAP_FAIL_UNPARK);
+        if (inject || !moe_cache->unpark(moe_cache_context_bytes(), swap_params.warm_restore, swap_fail(LLAMA_PREFILL_SWAP_STEP_UPLOAD))) {
+            swap_stats.n_partial_fallbacks++;
+            LLAMA_LOG_INFO("%s: prefill swap: the parked banks could not be allocated again%s: every layer's banks are sized again\n",
+                __func__, inject ? " (injected: LLAMA_PREFILL_SWAP_FAIL=unpark)" : "");
+            moe_cache->suspend(false);
+        }
+    }
     const bool inject_banks = swap_fail(LLAMA_PREFILL_SWAP_STEP_BANKS);
-    if (inject_banks || !moe_cache->resume(moe_cache_context_bytes(), swap_params.warm_restore, swap_fail(LLAMA_PREFILL_SWAP_STEP_UPLOAD))) {
+    if (moe_cache->suspended() && (inject_banks || !moe_cache->resume(moe_cache_context_bytes(), swap_params.warm_restore,
+            swap_fail(LLAMA_PREFILL_SWAP_STEP_UPLOAD)))) {
         swap_stats.n_failed[LLAMA_PREFILL_SWAP_STEP_BANKS]++;
         LLAMA_LOG_WARN("%s: prefill swap: the hot-expert cache's banks could not be allocated again%s: decode runs without the cache "
             "until the next restore\n", __func__, inject_banks ? " (injected: LLAMA_PREFILL_SWAP_FAIL=banks)" : "");
@@ -224,7 +239,9 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
     if (moe_cache) {
         moe_cache->flush(sched.get(), memory.get());
     }
-    size_t released = moe_cache ? moe_cache->suspend(swap_params.warm_restore) : 0;
+    // a swap after the first frees only the banks its prompt needs (measured by the swaps before), when it can
+    const bool partial = moe_cache && moe_cache->can_park();
+    size_t released = !moe_cache ? 0 : partial ? moe_cache->park(swap_params.warm_restore) : moe_cache->suspend(swap_params.warm_restore);
     released += swap_compute_bytes();
     released += swap_free_compute();
     const int64_t t1 = ggml_time_us();
@@ -232,12 +249,30 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
     swap_n_ubatch_decode = cparams.n_ubatch;
     swap_pp_decode       = cparams.pipeline_parallel;
     cparams.n_ubatch     = swap_params.n_ubatch;
+    swap_stats.bytes_kept = partial ? moe_cache->bytes_kept() : 0;
     bool ok = true;
     try {
         if (swap_fail(LLAMA_PREFILL_SWAP_STEP_RESERVE)) {
             throw std::runtime_error("failed to allocate compute buffers (injected: LLAMA_PREFILL_SWAP_FAIL=reserve)");
         }
-        sched_reserve();
+        try {
+            if (partial && swap_fail(SWAP_FAIL_PARTIAL)) {
+                throw std::runtime_error("failed to allocate compute buffers (injected: LLAMA_PREFILL_SWAP_FAIL=partial)");
+            }
+            sched_reserve();
+        } catch (const std::exception & e) {
+            if (!partial) {
+                throw;
+            }
+            // beside the kept banks it did not fit: they go too, as in the first swap
+            LLAMA_LOG_INFO("%s: prefill swap: %s beside %.1f MiB of kept banks: freeing them\n", __func__, e.what(),
+                swap_stats.bytes_kept/1048576.0);
+            swap_stats.n_partial_fallbacks++;
+            swap_stats.bytes_kept = 0;
+            released += moe_cache->suspend(swap_params.warm_restore);
+            released += swap_free_compute();
+            sched_reserve();
+        }
     } catch (const std::exception & e) {
         LLAMA_LOG_WARN("%s: prefill swap: %s for ubatch %u: the prompt runs at ubatch %u\n", __func__, e.what(),
             swap_params.n_ubatch, swap_n_ubatch_decode);
@@ -265,6 +300,7 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
     }
     swap_active = true;
     swap_stats.n_swaps++;
+    swap_stats.n_partial += moe_cache && moe_cache->parking() ? 1 : 0;
     swap_stats.n_ubatch_last = cparams.n_ubatch;
     LLAMA_LOG_DEBUG("%s: prefill swap: %.1f MiB released in %.1f ms, reserved for ubatch %u in %.1f ms\n", __func__,
         released/1048576.0, swap_stats.ms_release, cparams.n_ubatch, swap_stats.ms_reserve);
@@ -282,6 +318,8 @@ int32_t llama_context::prefill_swap_end() {
     if (moe_cache) {
         moe_cache->flush(sched.get(), memory.get());
         moe_cache->stop_collecting();
+        // what the prompt's buffers took of the banks' memory, before they are freed: the next swaps free that much
+        moe_cache->measure_prompt(moe_cache_context_bytes());
     }
     swap_free_compute();
     cparams.n_ubatch = swap_n_ubatch_decode;

@@ -633,7 +633,9 @@ class PrefillSwap:
         each failure left a working context), release_ms / reserve_ms / restore_ms (the last swap),
         total_ms, bytes_released / bytes_restored (device memory, the last swap), n_slots (the
         cache's slots after the last restore), warm_uploads (queued by warm restores), warm_dropped (of
-        them, dropped by the next swap before they were copied), and the expert cache's
+        them, dropped by the next swap before they were copied), partial (swaps that freed only the banks
+        their prompt needed), partial_fallbacks (of those tried, the ones that freed every bank after all),
+        bytes_kept (bank bytes the last swap kept), and the expert cache's
         routing over the first 64 decoded tokens after each restore: after_restore_tokens, _hits,
         _misses, _hit_rate."""
         return dict(self._c.prefill_swap_stats())

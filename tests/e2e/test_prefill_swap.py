@@ -6,7 +6,8 @@ slot generating makes the swap wait; bypass mode changes nothing; the stats and 
 
 Fault injection: LLAMA_PREFILL_SWAP_FAIL=<step>[:N] fails that step of the N-th swap (reserve: the
 prefill ubatch's compute buffers; restore: the decode compute buffers; banks: the cache's banks;
-graphs: the reservation beside the restored banks; upload: an upload of the warm restore).
+graphs: the reservation beside the restored banks; upload: an upload of the warm restore; partial: the
+prompt's buffers beside the banks a partial release kept; unpark: its parked banks again).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ def test_a_long_prompt_runs_at_the_prefill_ubatch_and_equals_the_stock_path_ther
     assert st["swaps"] == 2 and st["skipped"]["short"] == 1 and st["n_ubatch_last"] == PREFILL_UB
     assert not any(st["failed"].values()) and st["active"] is False
     assert st["last"]["n_slots"] == N_EXPERT // 2  # the cache came back at its size
-    assert st["last"]["bytes_released"] > 0 and st["last"]["bytes_restored"] > 0
+    # the second swap freed only what the first one's prompt took of the banks' memory: on the host test device
+    # without a budget, nothing; every bank stayed
+    assert st["partial"] == {"swaps": 1, "fallbacks": 0, "last_bytes_kept": cache["total"]["bytes_vram"]}, st
+    assert st["last"]["bytes_released"] == 0 and st["last"]["bytes_restored"] > 0
     assert st["warm_uploads"] > 0 and st["after_restore"]["tokens"] > 0
     assert status == 200
     assert "llamacpp:prefill_swaps_total 2" in metrics
@@ -420,3 +424,62 @@ def test_a_copy_finished_at_a_swap_is_published_and_counted(tiny_model):
         cache = cache_stats(srv)
     assert cache["prefill_swap"]["swaps"] == 2 and cache["prefill_swap"]["warm_dropped"] >= 8, cache["prefill_swap"]
     assert cache["total"]["uploads"] >= 1, cache["total"]
+
+
+def _budget_server(tiny_model, extra_env=None):
+    """Arguments and environment of a server on a host test device sized so that the first swap's prompt
+    takes 3/8 of the banks' memory (the log's sizes are rounded to 0.01 MiB: a layer's banks are 1/4): the
+    device holds the context at -ub 32, all slots and what is left of the prompt's larger compute buffer after
+    3/8 of the banks (no headroom). The sizes come from a first server's log (-lv 4), so the test follows
+    the model's."""
+    args = BASE_ARGS + SWAP + CACHE + ["--moe-cache-headroom", "0", "--fit", "off", "-lv", "4"]
+    with ServerProcess(tiny_model, args=args, env=HOST, timeout=120) as srv:
+        banks_mib = cache_stats(srv)["total"]["bytes_vram"] / 2**20
+        complete(srv, LONG, n_predict=1)
+        log = srv.log_text()
+    compute = [float(m) for m in re.findall(r"CPU compute buffer size =\s+([0-9.]+) MiB", log)]
+    grow_mib = max(compute) - compute[0]  # the prefill ubatch's compute buffer over the decode one's
+    assert grow_mib > banks_mib * 3 / 8, (compute, banks_mib)
+    device_mib = host_context_mib(log) + banks_mib + grow_mib - banks_mib * 3 / 8
+    env = {**HOST, "LLAMA_MOE_CACHE_HOST_DEVICE_MIB": f"{device_mib:.6f}", **(extra_env or {})}
+    return args, env, banks_mib
+
+
+def test_a_later_swap_frees_only_what_its_prompt_took_and_keeps_the_other_layers(tiny_model, stock_big):
+    """The first swap frees every bank and measures what its prompt's buffers took of them (3/8, on this
+    device); the next swaps free that much, from the last layer back, and keep the other layers' banks and
+    experts. The output is the stock one at the prefill ubatch either way; the restore queues fewer copies."""
+    args, env, banks_mib = _budget_server(tiny_model)
+    got = {}
+    for name, extra in (("partial", {}), ("full", {"LLAMA_PREFILL_SWAP_PARTIAL": "0"})):
+        with ServerProcess(tiny_model, args=args, env={**env, **extra}, timeout=120) as srv:
+            outs = requests(srv)
+            got[name] = (outs, swap_stats(srv), srv.log_text())
+    for outs, st, _ in got.values():
+        assert [o["tokens"] for o in outs] == [o["tokens"] for o in stock_big]
+        assert first_step(outs[2]) == first_step(stock_big[2])
+        assert st["swaps"] == 2 and not any(st["failed"].values()) and st["last"]["n_slots"] == N_EXPERT // 2, st
+    partial, full = got["partial"][1], got["full"][1]
+    assert full["partial"]["swaps"] == 0 and full["last"]["bytes_released"] >= banks_mib * 2**20, full
+    # 3/8 of the banks needed: the last two of the 4 layers parked, two kept
+    assert partial["partial"]["swaps"] == 1 and partial["partial"]["fallbacks"] == 0, partial
+    assert partial["partial"]["last_bytes_kept"] == banks_mib * 2**20 / 2, partial
+    assert partial["warm_uploads"] < full["warm_uploads"], (partial, full)
+
+
+@pytest.mark.parametrize("step", ["partial", "unpark"])
+def test_a_partial_release_that_does_not_fit_frees_every_bank_with_the_stock_output(tiny_model, stock_big, step):
+    """The prompt's buffers beside the kept banks (partial) or the parked banks at the end (unpark) fail in the
+    second swap: every bank goes and comes back sized again, as in a full release; nothing else changes."""
+    args, env, _ = _budget_server(tiny_model, {"LLAMA_PREFILL_SWAP_FAIL": f"{step}:2"})
+    with ServerProcess(tiny_model, args=args, env=env, timeout=120) as srv:
+        outs = requests(srv)
+        st = swap_stats(srv)
+        status, metrics = srv.get("/metrics")
+        log = srv.log_text()
+    assert f"injected: LLAMA_PREFILL_SWAP_FAIL={step}" in log
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in stock_big]
+    assert first_step(outs[2]) == first_step(stock_big[2])
+    assert st["swaps"] == 2 and not any(st["failed"].values()) and st["last"]["n_slots"] == N_EXPERT // 2, st
+    assert st["partial"]["fallbacks"] == 1 and st["partial"]["swaps"] == (1 if step == "unpark" else 0), st
+    assert status == 200 and "llamacpp:prefill_swap_partial_fallbacks_total 1" in metrics

@@ -61,19 +61,51 @@ def test_swap_on_cuda_equals_the_stock_path_at_the_prefill_ubatch(tiny_model, st
     for a, b in zip(stock_big, outs):
         assert a["tokens"] == b["tokens"]
         assert max_logprob_diff(a, b) < 2e-2  # the cache's hits on the GPU, misses on the CPU
-    # the banks, the compute buffers and the pools came back; the cache serves again
+    # the banks, the compute buffers and the pools came back; the cache serves again. The second swap freed only
+    # what the first prompt took of the banks' memory: on this GPU nothing, every bank stayed
     assert sw["last"]["n_slots"] == N_EXPERT // 2 and st["enabled"] is True
-    assert sw["last"]["bytes_released"] >= st["total"]["bytes_vram"] > 0
+    assert sw["partial"]["swaps"] == 1 and sw["partial"]["last_bytes_kept"] == st["total"]["bytes_vram"] > 0, sw
     assert sw["after_restore"]["hits"] > 0 and sw["warm_uploads"] > 0
 
 
-@pytest.mark.parametrize("step", ["reserve", "restore", "banks", "upload"])
+@pytest.mark.parametrize("how", ["full", "partial"])
+def test_a_swap_that_frees_all_or_part_of_the_banks_on_cuda_equals_the_stock_path(tiny_model, stock_big, how):
+    """full: every swap frees every bank (LLAMA_PREFILL_SWAP_PARTIAL=0). partial: the second swap frees the banks
+    of the last two layers (LLAMA_PREFILL_SWAP_PARK_MIB: 3/8 of the banks, no headroom) and keeps the others: the
+    CUDA buffers of some layers freed and allocated again while the kept ones stay published."""
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, timeout=180) as srv:
+        bank_mib = cache_stats(srv)["total"]["bytes_vram"] / 2**20
+    env = ({"LLAMA_PREFILL_SWAP_PARTIAL": "0"} if how == "full" else
+           {"LLAMA_PREFILL_SWAP_PARK_MIB": f"{bank_mib * 3 / 8:.6f}"})
+    args = BASE_ARGS + SWAP + CACHE + ["--moe-cache-headroom", "0"]
+    with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
+        outs = requests(srv)
+        st = cache_stats(srv)
+    sw = st["prefill_swap"]
+    print(f"prefill swap on CUDA ({how}):", sw)
+    assert sw["swaps"] == 2 and not any(sw["failed"].values()) and sw["partial"]["fallbacks"] == 0, sw
+    for a, b in zip(stock_big, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+    assert sw["last"]["n_slots"] == N_EXPERT // 2 and st["enabled"] is True
+    if how == "full":
+        assert sw["partial"]["swaps"] == 0 and sw["last"]["bytes_released"] >= st["total"]["bytes_vram"] > 0, sw
+    else:
+        assert sw["partial"]["swaps"] == 1 and sw["partial"]["last_bytes_kept"] == st["total"]["bytes_vram"] // 2, sw
+        assert sw["last"]["bytes_released"] >= st["total"]["bytes_vram"] // 2, sw
+
+
+@pytest.mark.parametrize("step", ["reserve", "restore", "banks", "upload", "partial:2", "unpark:2"])
 def test_cuda_swap_failures_keep_serving(tiny_model, stock_big, stock_small, step):
+    # partial, unpark: the second swap's partial release fails and frees every bank after all
     with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env={"LLAMA_PREFILL_SWAP_FAIL": step},
                        timeout=180) as srv:
         outs = requests(srv)
         sw = cache_stats(srv)["prefill_swap"]
-    assert sw["failed"][step] == 1
+    if ":" in step:
+        assert sw["partial"]["fallbacks"] == 1 and not any(sw["failed"].values()), sw
+    else:
+        assert sw["failed"][step] == 1
     ref0 = stock_small[0] if step == "reserve" else stock_big[0]
     assert outs[0]["tokens"] == ref0["tokens"]
     assert [o["tokens"] for o in outs[1:]] == [o["tokens"] for o in stock_big[1:]]

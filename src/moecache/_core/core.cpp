@@ -1516,6 +1516,9 @@ PYBIND11_MODULE(_core, mod) {
             d["n_slots"] = st.n_slots;
             d["warm_uploads"] = st.warm_uploads;
             d["warm_dropped"] = st.warm_dropped;
+            d["partial"] = st.n_partial;
+            d["partial_fallbacks"] = st.n_partial_fallbacks;
+            d["bytes_kept"] = st.bytes_kept;
             d["after_restore_tokens"] = st.after_restore_tokens;
             d["after_restore_hits"] = st.after_restore_hits;
             d["after_restore_misses"] = st.after_restore_misses;
