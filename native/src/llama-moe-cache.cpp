@@ -502,11 +502,9 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
 
     // slots per layer: the asked-for count, clamped to what each device has left after the model, the
     // context and its compute buffers, minus the headroom
-    std::map<ggml_backend_dev_t, size_t> dev_bytes;  // bytes per slot, per device
-    std::map<ggml_backend_dev_t, size_t> dev_layers; // layers with banks there (one buffer each)
+    std::map<ggml_backend_dev_t, size_t> dev_bytes; // bytes per slot, per device
     for (const auto & [dev, per_slot] : slot_bytes_by_dev()) {
-        dev_bytes[dev]  = per_slot.first;
-        dev_layers[dev] = (size_t) per_slot.second;
+        dev_bytes[dev] = per_slot.first;
     }
     const size_t headroom = (size_t) params.headroom_mib << 20;
     int64_t slots = wanted_slots;
@@ -538,10 +536,6 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             keep -= std::min(taken, headroom / 2);
             LLAMA_LOG_DEBUG("%s: %s has %.1f MiB less free than at the cache's first allocation: %.1f MiB of the headroom kept free\n",
                 __func__, ggml_backend_dev_name(dev), taken/1048576.0, keep/1048576.0);
-        }
-        // each layer's banks are a buffer of their own: a device allocator may round each one up (to 2 MiB pages)
-        if (ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-            keep += dev_layers[dev] << 21;
         }
         const int64_t fit = free > keep ? (int64_t) ((free - keep) / per_slot) : 0;
         if (fit < slots) {
