@@ -103,6 +103,51 @@ void llama_moe_layer_policy::warm(const std::vector<int32_t> & experts, std::vec
     }
 }
 
+void llama_moe_layer_policy::retarget(const std::vector<int32_t> & experts, std::vector<llama_moe_upload> & out) {
+    // position of each expert in the ranking (first occurrence), INT32_MAX for one not ranked; the first n_slots
+    // distinct ones are the targets
+    std::vector<int32_t> pos(cfg.n_expert, INT32_MAX);
+    std::vector<int32_t> targets;
+    int32_t n_ranked = 0;
+    for (const int32_t e : experts) {
+        if (e < 0 || e >= cfg.n_expert || pos[e] != INT32_MAX) {
+            continue;
+        }
+        pos[e] = n_ranked++;
+        if ((int32_t) targets.size() < cfg.n_slots) {
+            targets.push_back(e);
+        }
+    }
+    // decisions made from the routing before the new ranking are stale
+    pending.clear();
+    fill.clear();
+    admitted.clear();
+    for (const int32_t e : targets) {
+        if (expert_slot[e] >= 0) {
+            continue;
+        }
+        int32_t s = free_slot();
+        if (s < 0) {
+            // the resident ranked lowest that is not a target, not pinned and not loading
+            int32_t worst = -1;
+            for (int32_t t = 0; t < cfg.n_slots; ++t) {
+                const int32_t r = slot_expert[t];
+                if (r < 0 || slot_busy[t] || pinned[r] || pos[r] < (int32_t) targets.size()) {
+                    continue;
+                }
+                if (worst < 0 || pos[r] > pos[slot_expert[worst]]) {
+                    worst = t;
+                }
+            }
+            if (worst < 0) {
+                break;
+            }
+            s = worst;
+        }
+        assign(s, e, out);
+    }
+}
+
 void llama_moe_layer_policy::done(int32_t slot, bool ok) {
     slot_busy[slot] = 0;
     if (!ok && slot_expert[slot] >= 0) {

@@ -48,6 +48,12 @@ public:
     // a warm start from known routing (the prefill-phase swap refills the slots with the prompt's experts)
     void warm(const std::vector<int32_t> & experts, std::vector<llama_moe_upload> & out);
 
+    // plan uploads so that the slots hold the first n_slots of `experts` (most wanted first), into the empty
+    // slots first, then over the residents ranked lowest that are not among them (never a pinned or loading
+    // one); what is already resident stays. A warm start of a layer that kept its slots (the prefill-phase
+    // swap's partial release): only the experts that differ are copied. Drops the decisions made before
+    void retarget(const std::vector<int32_t> & experts, std::vector<llama_moe_upload> & out);
+
     // keep `expert` resident; false when every slot is already pinned to another expert
     bool pin(int32_t expert);
 

@@ -153,6 +153,9 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     const char * env_interleave = getenv("LLAMA_MOE_CACHE_WARM_INTERLEAVE");
     warm_interleave = !env_interleave || atoi(env_interleave) != 0;
     // LLAMA_PREFILL_SWAP_PARTIAL=0: every prefill-phase swap frees all the banks (the partial release off)
+    // LLAMA_PREFILL_SWAP_RETARGET=0: a partial release's kept layers keep their experts (only empty slots warm)
+    const char * env_retarget = getenv("LLAMA_PREFILL_SWAP_RETARGET");
+    retarget_kept = !env_retarget || atoi(env_retarget) != 0;
     const char * env_partial = getenv("LLAMA_PREFILL_SWAP_PARTIAL");
     park_enabled = !env_partial || atoi(env_partial) != 0;
     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): a partial release frees at least this much per device (on a GPU
@@ -1806,8 +1809,10 @@ bool llama_moe_cache::unpark(const std::map<ggml_backend_dev_t, size_t> & contex
     is_parking = false;
     after_resume_left = LLAMA_PREFILL_SWAP_WARM_TOKENS;
     collecting = false;
+    // the parked layers' empty slots, and the kept layers' slots toward the same ranking (only the experts that
+    // differ are copied): the same contents a full restore would give
     if (warm && !prompt_counts.empty() && !hold_empty) {
-        queue_warm(warm_rank(), fail_upload);
+        queue_warm(warm_rank(), fail_upload, retarget_kept);
     }
     prompt_counts.clear();
     return true;
@@ -2150,7 +2155,7 @@ std::function<uint64_t(int32_t, int32_t)> llama_moe_cache::warm_rank() const {
     };
 }
 
-size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload) {
+size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload, bool retarget) {
     if (hold_empty) {
         return 0;
     }
@@ -2172,9 +2177,20 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
         std::stable_sort(order.begin(), order.end(), [&cnt](int32_t a, int32_t b) { return cnt[a] > cnt[b]; });
         order.insert(order.begin(), l.pins.begin(), l.pins.end()); // pinned experts take their slots first
         plan.clear();
-        l.policy->warm(order, plan);
+        if (retarget) {
+            l.policy->retarget(order, plan);
+        } else {
+            l.policy->warm(order, plan);
+        }
         by_layer.emplace_back();
         for (const auto & u : plan) {
+            // a retarget replaces residents: the next graph computes the outgoing expert as a miss (no graph runs
+            // now: the callers come between graphs, after a synchronize)
+            const int32_t old = l.slot_published[u.slot];
+            if (old >= 0) {
+                set_map(l.il, old, -1);
+                l.stats.evictions++;
+            }
             by_layer.back().push_back({l.il, u.slot, u.expert, false, {}, true});
         }
     }

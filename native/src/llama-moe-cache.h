@@ -308,7 +308,8 @@ private:
     std::vector<expert_tables> tables;
     // queue uploads of each cached layer's most-counted experts (count(il, expert)) into its empty slots;
     // the next steps publish them. Returns the uploads queued
-    size_t queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload = false);
+    // retarget: the slots toward the ranking, replacing residents ranked lower (a partial release's kept layers)
+    size_t queue_warm(const std::function<uint64_t(int32_t, int32_t)> & count, bool fail_upload = false, bool retarget = false);
     // the order a warm restore fills the slots in: the prompt's routing, or with warm_blend its share plus the
     // share of each expert in the profile's decode history (this run's and earlier ones')
     std::function<uint64_t(int32_t, int32_t)> warm_rank() const;
@@ -323,6 +324,7 @@ private:
     bool     is_suspended = false;
     bool     is_parking   = false;   // some layers parked, the others kept: no graph uses the cache
     bool     park_enabled = true;    // LLAMA_PREFILL_SWAP_PARTIAL=0: every swap suspends everything
+    bool     retarget_kept = true;    // LLAMA_PREFILL_SWAP_RETARGET=0: kept layers keep their experts at a restore
     size_t   park_min_bytes = 0;     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): the least a partial release frees
     size_t   kept_bytes   = 0;
     std::map<ggml_backend_dev_t, size_t> freed_for_prompt; // bank bytes the current swap freed, per device

@@ -4,7 +4,10 @@ routed before, this run's and earlier runs'. On a model with the 30B shape's cal
 top-8, cut to 4 small layers), on the host test device with synchronous uploads (the hits are then a property of
 the routing and the ranking alone), the blended ranking serves more of the decoded tokens' experts from the
 slots than the prompt's alone (LLAMA_MOE_CACHE_WARM_BLEND=0), both in the same server's later requests and in a
-restarted server's first ones, and the tokens stay the same."""
+restarted server's first ones, and the tokens stay the same. The same server's later swaps are partial releases
+that keep every bank (the test device has no budget): the kept layers are retargeted to the ranking, copying
+only the experts that differ (with LLAMA_PREFILL_SWAP_RETARGET=0 they keep the last request's experts and the
+blend gains nothing there: 37.5% either way)."""
 
 from __future__ import annotations
 

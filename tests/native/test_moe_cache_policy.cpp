@@ -209,6 +209,38 @@ static void test_pin(llama_moe_policy_kind kind, const char * name) {
     CHECK(consistent(p), "%s: consistent with pins", name);
 }
 
+// a warm start of a layer that kept its slots: only the experts not resident are copied, over the residents
+// ranked lowest; pinned and loading residents stay
+static void test_retarget(llama_moe_policy_kind kind, const char * name) {
+    llama_moe_layer_policy p(config(kind, 16, 4));
+    std::vector<llama_moe_upload> out;
+    p.warm({0, 1, 2, 3}, out);
+    for (const auto & u : out) {
+        p.done(u.slot, true);
+    }
+    CHECK(resident(p) == std::set<int>({0, 1, 2, 3}), "%s: warm fills the empty slots", name);
+    CHECK(p.pin(3), "%s: pin", name);
+    // ranking 5, 1, 6, 0, 2, 4: targets 5, 1, 6, 0; 3 is pinned, so 2 (ranked 5th) and then nothing else goes
+    out.clear();
+    p.retarget({5, 1, 6, 0, 2, 4}, out);
+    CHECK(out.size() == 1 && out[0].expert == 5 && p.slot_of(2) < 0, "%s: one copy, over the lowest-ranked resident (%zu)", name, out.size());
+    CHECK(resident(p) == std::set<int>({0, 1, 3, 5}), "%s: residents after retarget", name);
+    CHECK(consistent(p), "%s: consistent after retarget", name);
+    // the copy of 5 still loading: a second ranking that drops it cannot take its slot
+    out.clear();
+    p.retarget({7, 8, 1}, out);
+    CHECK(resident(p).count(5) == 1 && resident(p).count(3) == 1, "%s: loading and pinned residents stay", name);
+    CHECK(out.size() == 1 && resident(p) == std::set<int>({1, 3, 5, 7}), "%s: 7 in over 0, 8 finds no slot (%zu)", name, out.size());
+    for (const auto & u : out) {
+        p.done(u.slot, true);
+    }
+    // a ranking it already holds copies nothing
+    out.clear();
+    p.retarget({1, 3, 5, 7}, out);
+    CHECK(out.empty(), "%s: nothing to copy", name);
+    CHECK(consistent(p), "%s: consistent at the end", name);
+}
+
 // random routing: the invariants hold whatever happens
 static void test_random(llama_moe_policy_kind kind, const char * name) {
     llama_moe_layer_policy p(config(kind, 64, 12));
@@ -312,6 +344,8 @@ int main() {
     test_upload_cap_and_busy();
     test_pin(LLAMA_MOE_POLICY_FREQ, "freq");
     test_pin(LLAMA_MOE_POLICY_LRU, "lru");
+    test_retarget(LLAMA_MOE_POLICY_FREQ, "freq");
+    test_retarget(LLAMA_MOE_POLICY_LRU, "lru");
     test_random(LLAMA_MOE_POLICY_FREQ, "freq");
     test_random(LLAMA_MOE_POLICY_LRU, "lru");
     test_freq_bonus_no_overflow();

@@ -39,7 +39,8 @@ def test_top_k_ordered_on_cpu():
 
 def test_moe_cache_policies():
     """The cache's policies: fill order, FREQ rebalance with hysteresis, LRU admission gate and victim,
-    upload cap, busy slots, failed uploads, pins, and the map invariants under random routing."""
+    upload cap, busy slots, failed uploads, pins, the retarget of a kept layer, and the map invariants under
+    random routing."""
     out = run_native("test-moe-cache-policy")
     assert out.strip().endswith("0 failed"), out[-2000:]
     assert " passed," in out
