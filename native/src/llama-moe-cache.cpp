@@ -424,7 +424,7 @@ void llama_moe_cache::free_banks(llama_moe_cache_layer & l) {
     l.bank_ctx.reset();
 }
 
-bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_fail) {
+bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_fail, const char * then) {
     // one context and buffer per layer: slot banks [ne0, ne1, n_slots] of the experts' types, the bias copies
     for (size_t i = 0; i < ils.size(); ++i) {
         auto & l = layers[ils[i]];
@@ -432,7 +432,7 @@ bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_f
         ggml_init_params ip = { 7*ggml_tensor_overhead(), nullptr, true };
         ggml_context_ptr ctx(ggml_init(ip));
         if (!ctx) {
-            LLAMA_LOG_ERROR("%s: cannot create the slot banks' tensor context\n", __func__);
+            LLAMA_LOG_ERROR("%s: cannot create the slot banks' tensor context: %s\n", __func__, then);
             for (size_t j = 0; j < i; ++j) {
                 free_banks(layers[ils[j]]);
             }
@@ -459,9 +459,8 @@ bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_f
             for (size_t j = i; j < ils.size(); ++j) {
                 need += (size_t) n_slots*layers[ils[j]].slot_bytes;
             }
-            LLAMA_LOG_ERROR("%s: failed to allocate %.1f MiB of slot banks in %s%s: the hot-expert cache is off "
-                "(lower --moe-cache-slots / --moe-cache-size, or raise --moe-cache-headroom)\n",
-                __func__, need/1048576.0, ggml_backend_buft_name(buft), inject ? " (injected: LLAMA_MOE_CACHE_FAIL)" : "");
+            LLAMA_LOG_ERROR("%s: failed to allocate %.1f MiB of slot banks in %s%s: %s\n",
+                __func__, need/1048576.0, ggml_backend_buft_name(buft), inject ? " (injected: LLAMA_MOE_CACHE_FAIL)" : "", then);
             for (auto & b : l.bank) {
                 b = nullptr;
             }
@@ -562,7 +561,8 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
             ils.push_back(il);
         }
     }
-    if (!alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs))) {
+    if (!alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs), "the hot-expert cache is off (lower --moe-cache-slots / "
+            "--moe-cache-size, or raise --moe-cache-headroom)")) {
         release_banks("allocation failed");
         return;
     }
@@ -1161,6 +1161,9 @@ const llama_moe_cache_layer * llama_moe_cache::graph_layer(int32_t il, int64_t n
 
 void llama_moe_cache::after_ubatch(ggml_backend_sched_t sched, const llm_graph_result * res, const llama_ubatch & ubatch, bool warmup) {
     const int64_t n_tokens = ubatch.n_tokens;
+    if (!warmup && (is_suspended || is_parking)) {
+        prompt_max_ubatch = std::max(prompt_max_ubatch, n_tokens); // a swap's prompt (measure_prompt)
+    }
     if (n_cached > 0 || is_suspended || is_parking) {
         if (warmup) {
             totals_extra.batches_bypassed[LLAMA_MOE_CACHE_BYPASS_WARMUP]++;
@@ -1602,8 +1605,13 @@ size_t llama_moe_cache::suspend(bool collect_routing) {
     size_t bytes = 0;
     for (auto & l : layers) {
         if (!l.cached()) {
-            if (l.parked) {
-                l.parked = false; // its banks went at park(); it comes back with the others
+            // a parked layer's banks went at park(); one turned off by a failed copy still holds its buffer
+            l.parked = false;
+            if (l.bank_buf) {
+                const size_t b = ggml_backend_buffer_get_size(l.bank_buf.get());
+                freed_for_prompt[l.dev] += b;
+                bytes += b;
+                free_banks(l);
             }
             continue;
         }
@@ -1636,9 +1644,11 @@ size_t llama_moe_cache::suspend(bool collect_routing) {
     return bytes;
 }
 
-bool llama_moe_cache::can_park() const {
-    // a cache below the slots it had (a restore that did not fit them) is sized again by a full release
-    if (!park_enabled || is_suspended || is_parking || n_cached == 0 || prompt_need.empty() || n_slots < resume_slots) {
+bool llama_moe_cache::can_park(int64_t max_ubatch) const {
+    // a cache below the slots it had (a restore that did not fit them) is sized again by a full release; a prompt
+    // of larger ubatches than the measured ones frees everything (and measures)
+    if (!park_enabled || is_suspended || is_parking || n_cached == 0 || prompt_need.empty() || n_slots < resume_slots ||
+            max_ubatch > measured_ubatch) {
         return false;
     }
     for (const auto & l : layers) {
@@ -1657,8 +1667,8 @@ size_t llama_moe_cache::n_parked_layers() const {
     return n;
 }
 
-size_t llama_moe_cache::park(bool collect_routing) {
-    if (!can_park()) {
+size_t llama_moe_cache::park(bool collect_routing, int64_t max_ubatch) {
+    if (!can_park(max_ubatch)) {
         return 0;
     }
     collecting = collect_routing;
@@ -1669,8 +1679,9 @@ size_t llama_moe_cache::park(bool collect_routing) {
     const size_t headroom = (size_t) params.headroom_mib << 20;
     std::map<ggml_backend_dev_t, size_t> want, got;
     for (const auto & [dev, need] : prompt_need) {
-        const size_t bytes = std::max(need > 0 ? (size_t) need : 0, park_min_bytes);
-        want[dev] = bytes > 0 ? bytes + headroom : 0;
+        // the prompt leaves the headroom free, as the banks did: a need below zero is memory it left free
+        const int64_t bytes = std::max(need + (int64_t) headroom, (int64_t) park_min_bytes);
+        want[dev] = bytes > 0 ? (size_t) bytes : 0;
     }
     std::vector<bool> chosen(layers.size(), false);
     for (size_t i = layers.size(); i-- > 0;) {
@@ -1687,7 +1698,17 @@ size_t llama_moe_cache::park(bool collect_routing) {
     size_t bytes = 0;
     for (size_t i = 0; i < layers.size(); ++i) {
         auto & l = layers[i];
-        if (!chosen[i] || !l.cached()) { // a layer can be turned off by a failed copy published just now
+        if (!l.cached()) {
+            // turned off by a failed copy (published just now, or before): its buffer goes, the layer stays off
+            if (l.bank_buf) {
+                const size_t b = ggml_backend_buffer_get_size(l.bank_buf.get());
+                freed_for_prompt[l.dev] += b;
+                bytes += b;
+                free_banks(l);
+            }
+            continue;
+        }
+        if (!chosen[i]) {
             continue;
         }
         for (int32_t e = 0; e < n_exp; ++e) {
@@ -1706,6 +1727,7 @@ size_t llama_moe_cache::park(bool collect_routing) {
         const size_t b = l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
         freed_for_prompt[l.dev] += b;
         bytes += b;
+        l.parked_bytes = b;
         free_banks(l);
         l.parked = true;
         n_cached--;
@@ -1742,6 +1764,14 @@ size_t llama_moe_cache::free_for_banks(ggml_backend_dev_t dev, const std::map<gg
 }
 
 void llama_moe_cache::measure_prompt(const std::map<ggml_backend_dev_t, size_t> & context_bytes) {
+    // the measure holds for prompts whose ubatches are no larger than this one's largest (the pools grow with the
+    // ubatch): can_park() lets a larger one free everything and measure again
+    if (prompt_max_ubatch <= 0) {
+        freed_for_prompt.clear();
+        return;
+    }
+    measured_ubatch   = std::max(measured_ubatch, prompt_max_ubatch);
+    prompt_max_ubatch = 0;
     // what the prompt's buffers (compute, the backends' pools) took of the memory freed for it: the bank bytes
     // freed minus what is still free at its end. Only grows: a longer prompt may need more than a shorter one
     for (const auto & [dev, freed] : freed_for_prompt) {
@@ -1749,13 +1779,13 @@ void llama_moe_cache::measure_prompt(const std::map<ggml_backend_dev_t, size_t> 
         const int64_t need = (int64_t) freed - (int64_t) std::min(free, (size_t) INT64_MAX / 2);
         auto it = prompt_need.find(dev);
         if (it == prompt_need.end()) {
-            prompt_need[dev] = std::max<int64_t>(need, 0);
+            prompt_need[dev] = need;
         } else {
             it->second = std::max(it->second, need);
         }
-        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.1f MiB of banks freed, %.1f MiB free at the prompt's end: the next swaps free %.1f MiB "
-            "(+ the headroom)\n", __func__, ggml_backend_dev_name(dev), freed/1048576.0, std::min(free, freed)/1048576.0,
-            std::max<int64_t>(prompt_need[dev], 0)/1048576.0);
+        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.1f MiB of banks freed, %.1f MiB free at the prompt's end: the next swaps free "
+            "%.1f MiB and the headroom\n", __func__, ggml_backend_dev_name(dev), freed/1048576.0, free/1048576.0,
+            prompt_need[dev]/1048576.0);
     }
     freed_for_prompt.clear();
 }
@@ -1769,7 +1799,7 @@ bool llama_moe_cache::unpark(const std::map<ggml_backend_dev_t, size_t> & contex
     for (size_t il = 0; il < layers.size(); ++il) {
         if (layers[il].parked && layers[il].reason.empty()) {
             ils.push_back(il);
-            need[layers[il].dev] += (size_t) n_slots*layers[il].slot_bytes;
+            need[layers[il].dev] += layers[il].parked_bytes; // the buffer it had (biases and alignment included)
         }
     }
     // the same slot count beside the headroom's half (what a resume keeps at least); else the caller sizes again
@@ -1782,7 +1812,7 @@ bool llama_moe_cache::unpark(const std::map<ggml_backend_dev_t, size_t> & contex
             return false;
         }
     }
-    if (!alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs))) {
+    if (!ils.empty() && !alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs), "every layer's banks are sized again")) {
         return false;
     }
     const llama_moe_policy_config pc = policy_config();
@@ -2163,6 +2193,7 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
     std::vector<int32_t> order;
     std::vector<uint64_t> cnt(n_exp);
     std::vector<std::vector<upload_job>> by_layer;
+    bool unpublished = false;
     for (auto & l : layers) {
         if (!l.cached()) {
             continue;
@@ -2175,7 +2206,14 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
             }
         }
         std::stable_sort(order.begin(), order.end(), [&cnt](int32_t a, int32_t b) { return cnt[a] > cnt[b]; });
-        order.insert(order.begin(), l.pins.begin(), l.pins.end()); // pinned experts take their slots first
+        // pinned experts take their slots first (the policy's pins: a kept layer's may be newer than l.pins)
+        std::vector<int32_t> pinned;
+        for (int32_t e = 0; e < n_exp; ++e) {
+            if (l.policy->is_pinned(e)) {
+                pinned.push_back(e);
+            }
+        }
+        order.insert(order.begin(), pinned.begin(), pinned.end());
         plan.clear();
         if (retarget) {
             l.policy->retarget(order, plan);
@@ -2190,9 +2228,13 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
             if (old >= 0) {
                 set_map(l.il, old, -1);
                 l.stats.evictions++;
+                unpublished = true;
             }
             by_layer.back().push_back({l.il, u.slot, u.expert, false, {}, true});
         }
+    }
+    if (unpublished) {
+        flush_tables(); // the devices' maps and tables no longer point at the slots about to be overwritten
     }
     // the copies take the link in rank order across the layers (each layer's first expert, then each one's
     // second, ...), not layer after layer: decode starts while they run, and the hits of the top experts of

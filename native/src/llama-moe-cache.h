@@ -53,6 +53,7 @@ struct llama_moe_cache_layer {
     ggml_context_ptr        bank_ctx;
     ggml_backend_buffer_ptr bank_buf;
     bool                    parked = false; // banks freed for a swap's prompt, allocated again at its end
+    size_t                  parked_bytes = 0; // the size of the buffer it had
     size_t        slot_bytes = 0; // bytes of one expert over the layer's tensors
     ggml_backend_dev_t dev = nullptr;
 
@@ -212,12 +213,14 @@ struct llama_moe_cache {
     // partial release: the banks of some layers only, from the last layer back, so that each device frees what
     // the last swaps' prompts measured they needed beyond what stayed free (plus the headroom); the other
     // layers keep their banks and experts. While parked, no graph uses the cache (the prompt's graphs are the
-    // stock ones, as in a full suspension). can_park(): a swap has measured the need (the first swap of a
-    // context suspends everything) and LLAMA_PREFILL_SWAP_PARTIAL is not 0. Returns the bytes freed.
-    bool   can_park() const;
-    size_t park(bool collect_routing);
+    // stock ones, as in a full suspension). can_park(): a swap of ubatches at least max_ubatch (the coming
+    // prompt's largest) has measured the need (the first swap of a context suspends everything) and
+    // LLAMA_PREFILL_SWAP_PARTIAL is not 0. Returns the bytes freed.
+    bool   can_park(int64_t max_ubatch) const;
+    size_t park(bool collect_routing, int64_t max_ubatch);
     // the end of a swap's prompt: per device, what the prompt's buffers took of the memory freed for it
     // (bank bytes freed minus what is free now); the next swaps park that much
+    // (for prompts of ubatches up to this one's largest)
     void   measure_prompt(const std::map<ggml_backend_dev_t, size_t> & context_bytes);
     // the parked layers' banks again, at the same slot count, warm (as resume()); false when they do not fit
     // beside the headroom or an allocation fails (the caller suspends everything and resumes: the slots are
@@ -288,7 +291,7 @@ private:
     void make_device_maps();       // maps of the cached layers kept on their devices
     // the banks of these layers, each in its own buffer, at n_slots; false (nothing of this call kept) when one
     // allocation fails: that error is logged and the caller decides what follows
-    bool alloc_banks(const std::vector<size_t> & ils, bool inject_fail);
+    bool alloc_banks(const std::vector<size_t> & ils, bool inject_fail, const char * then);
     void free_banks(llama_moe_cache_layer & l); // the layer's buffer, its bank and bias tensors
     llama_moe_policy_config policy_config() const; // a new layer policy's (n_slots slots)
     // the free memory of a device for the banks: the host test device's budget minus what the context holds
@@ -327,6 +330,8 @@ private:
     bool     retarget_kept = true;    // LLAMA_PREFILL_SWAP_RETARGET=0: kept layers keep their experts at a restore
     size_t   park_min_bytes = 0;     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): the least a partial release frees
     size_t   kept_bytes   = 0;
+    int64_t  prompt_max_ubatch = 0;  // the largest ubatch of the swap's prompt so far
+    int64_t  measured_ubatch   = 0;  // the largest ubatch a measured prompt ran
     std::map<ggml_backend_dev_t, size_t> freed_for_prompt; // bank bytes the current swap freed, per device
     std::map<ggml_backend_dev_t, int64_t> prompt_need;     // the most a swap's prompt took of them, per device (-1: not measured)
     bool     resuming     = false;   // allocate() logs its summary at debug level

@@ -139,11 +139,11 @@ bool llama_context::swap_restore_decode() {
             clean = false;
             LLAMA_LOG_WARN("%s: prefill swap: restoring the decode compute buffers: %s%s\n", __func__, e.what(),
                 attempt == 0 ? ": trying again" : ": the next decode reserves them");
+            if (moe_cache && moe_cache->parking()) {
+                moe_cache->suspend(false); // the kept banks may be what did not fit: the second try is without them
+            }
             if (attempt == 1) {
                 sched_need_reserve = true;
-                if (moe_cache && moe_cache->parking()) {
-                    moe_cache->suspend(false); // the kept banks too: the next restore sizes them all
-                }
                 LLAMA_LOG_WARN("%s: prefill swap: the hot-expert cache stays off until the next restore\n", __func__);
                 return false; // banks only beside reserved buffers
             }
@@ -165,6 +165,9 @@ bool llama_context::swap_restore_decode() {
         }
     }
     const bool inject_banks = swap_fail(LLAMA_PREFILL_SWAP_STEP_BANKS);
+    if (inject_banks && !moe_cache->suspended()) {
+        moe_cache->suspend(false); // the injected failure of the banks' allocation, after a partial release too
+    }
     if (moe_cache->suspended() && (inject_banks || !moe_cache->resume(moe_cache_context_bytes(), swap_params.warm_restore,
             swap_fail(LLAMA_PREFILL_SWAP_STEP_UPLOAD)))) {
         swap_stats.n_failed[LLAMA_PREFILL_SWAP_STEP_BANKS]++;
@@ -240,8 +243,10 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
         moe_cache->flush(sched.get(), memory.get());
     }
     // a swap after the first frees only the banks its prompt needs (measured by the swaps before), when it can
-    const bool partial = moe_cache && moe_cache->can_park();
-    size_t released = !moe_cache ? 0 : partial ? moe_cache->park(swap_params.warm_restore) : moe_cache->suspend(swap_params.warm_restore);
+    const int64_t max_ubatch = std::min<int64_t>(n_tokens, swap_params.n_ubatch); // the prompt's largest ubatch
+    const bool partial = moe_cache && moe_cache->can_park(max_ubatch);
+    size_t released = !moe_cache ? 0 : partial ? moe_cache->park(swap_params.warm_restore, max_ubatch) :
+        moe_cache->suspend(swap_params.warm_restore);
     released += swap_compute_bytes();
     released += swap_free_compute();
     const int64_t t1 = ggml_time_us();
@@ -287,6 +292,7 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
     swap_stats.ms_total      += (t2 - t0)/1000.0;
     if (!ok) {
         // roll back to the decode configuration
+        swap_stats.bytes_kept = 0;
         swap_free_compute();
         cparams.n_ubatch = swap_n_ubatch_decode;
         swap_restore_decode();
@@ -300,7 +306,7 @@ int32_t llama_context::prefill_swap_begin(int32_t n_tokens, int32_t n_generating
     }
     swap_active = true;
     swap_stats.n_swaps++;
-    swap_stats.n_partial += moe_cache && moe_cache->parking() ? 1 : 0;
+    swap_stats.n_partial += moe_cache && moe_cache->parking() && swap_stats.bytes_kept > 0 ? 1 : 0;
     swap_stats.n_ubatch_last = cparams.n_ubatch;
     LLAMA_LOG_DEBUG("%s: prefill swap: %.1f MiB released in %.1f ms, reserved for ubatch %u in %.1f ms\n", __func__,
         released/1048576.0, swap_stats.ms_release, cparams.n_ubatch, swap_stats.ms_reserve);

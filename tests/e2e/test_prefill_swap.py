@@ -143,6 +143,41 @@ def test_a_failing_step_leaves_a_working_server_with_the_stock_output(tiny_model
         assert st["last"]["n_slots"] == N_EXPERT // 2  # the next restore brought the banks back
     if step == "upload":
         assert "takes the stock path from now on" in log  # that layer, the others keep their cache
+        # the next swap (a partial release that keeps every other bank here) frees that layer's buffer
+        assert st["partial"]["swaps"] == 1 and st["last"]["bytes_released"] > 0, st
+
+
+def test_a_prompt_of_larger_ubatches_than_the_measured_ones_frees_every_bank(tiny_model):
+    """The pools grow with the ubatch: a first swapped prompt of one ubatch under the prefill ubatch measures for
+    prompts like it only. The next, of full prefill ubatches, frees every bank and measures again; the one after
+    it is a partial release."""
+    unit = "The committee met on Tuesday to discuss the budget for the coming year, and "
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=HOST, timeout=120) as srv:
+        first = complete(srv, unit * 6, n_predict=4)  # 60-odd tokens over the threshold, under one prefill ubatch
+        st1 = swap_stats(srv)
+        complete(srv, LONG, n_predict=4)
+        st2 = swap_stats(srv)
+        complete(srv, LONG, n_predict=4)
+        st3 = swap_stats(srv)
+    assert first["timings"]["prefill_ubatch"] == PREFILL_UB and MIN_TOKENS <= first["tokens_evaluated"] < PREFILL_UB, first
+    assert (st1["swaps"], st2["swaps"], st3["swaps"]) == (1, 2, 3)
+    assert (st2["partial"]["swaps"], st3["partial"]["swaps"]) == (0, 1), (st2, st3)
+
+
+def test_an_injected_banks_failure_after_a_partial_release_leaves_decode_without_the_cache(tiny_model, stock_big):
+    """banks:2: the second swap is a partial release; its restore's banks fail all the same (every bank goes), decode
+    runs without the cache until the next restore, the output is the stock one."""
+    env = {**HOST, "LLAMA_PREFILL_SWAP_FAIL": "banks:2"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        outs = requests(srv)
+        st = swap_stats(srv)
+        enabled = cache_stats(srv)["enabled"]
+        after = complete(srv, LONG, n_predict=16)
+        st3 = swap_stats(srv)
+    assert st["failed"]["banks"] == 1 and st["last"]["n_slots"] == 0 and not enabled, st
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in stock_big]
+    # the third swap is a full one (the cache was suspended) and brings the banks back
+    assert after["tokens"] == stock_big[2]["tokens"] and st3["last"]["n_slots"] == N_EXPERT // 2, st3
 
 
 def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bin):
