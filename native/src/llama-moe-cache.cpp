@@ -57,6 +57,12 @@ static void check_params(const llama_moe_cache_params & p) {
     }
 }
 
+// a test or comparison switch: unset gives the default, a number turns it on (non-zero) or off (0)
+static bool env_switch(const char * name, bool dflt) {
+    const char * v = getenv(name);
+    return v ? atoi(v) != 0 : dflt;
+}
+
 // LLAMA_MOE_CACHE_FAIL=alloc,staging,reserve,upload,map[:N] (test-only): N = the Nth try fails, none = every one
 static void parse_fail_env(int64_t & alloc, int64_t & staging, int64_t & reserve, int64_t & upload, int64_t & map,
         bool & profile) {
@@ -126,54 +132,43 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // test-only switches: banks in host memory when a layer runs on the CPU (CI has no GPU), with an
     // optional size of that test device; a cache that never uploads (every expert a miss: the split
     // must then give the stock result); failures of a chosen step
-    const char * env_host = getenv("LLAMA_MOE_CACHE_HOST_DEVICE");
-    host_device = env_host && atoi(env_host) != 0;
+    host_device = env_switch("LLAMA_MOE_CACHE_HOST_DEVICE", false);
     const char * env_host_mib = getenv("LLAMA_MOE_CACHE_HOST_DEVICE_MIB");
     host_device_mib = env_host_mib && env_host_mib[0] ? std::strtod(env_host_mib, nullptr) : -1.0;
     // LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB=N: that test device has N MiB less free after the first allocation,
     // as a GPU that keeps what its first long prompt loaded (kernels, workspaces)
     const char * env_taken = getenv("LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB");
     host_device_taken_mib = env_taken && env_taken[0] ? std::max(0.0, std::strtod(env_taken, nullptr)) : 0.0;
-    const char * env_empty = getenv("LLAMA_MOE_CACHE_HOLD_EMPTY");
-    hold_empty = env_empty && atoi(env_empty) != 0;
+    hold_empty = env_switch("LLAMA_MOE_CACHE_HOLD_EMPTY", false);
     // LLAMA_MOE_CACHE_UPLOAD_DELAY_MS=N: each upload takes N ms longer (a slow link, for tests of what waits for uploads)
     const char * env_delay = getenv("LLAMA_MOE_CACHE_UPLOAD_DELAY_MS");
     upload_delay_ms = env_delay ? std::max(0, atoi(env_delay)) : 0;
     // LLAMA_MOE_CACHE_SYNC_UPLOADS=1: a step waits for the uploads in flight, so what a step planned serves from
     // the next step on, however fast the link: on a GPU a hit and a miss round differently, and only then
     // are two runs bit for bit comparable
-    const char * env_sync = getenv("LLAMA_MOE_CACHE_SYNC_UPLOADS");
-    sync_uploads = env_sync && atoi(env_sync) != 0;
+    sync_uploads = env_switch("LLAMA_MOE_CACHE_SYNC_UPLOADS", false);
     // with an expert profile, a warm restore ranks the experts by the prompt's routing plus what decode routed
     // before (the profile's counts): decode routes other experts than the prompt before it (on the calibrated
     // 30B routing, new prompts: 37% -> 38% hits at 24 of 128 slots, 70% -> 73% at 64; prompts seen before: 41%,
     // 76%). LLAMA_MOE_CACHE_WARM_BLEND=0: the prompt's routing alone, for comparison
-    const char * env_blend = getenv("LLAMA_MOE_CACHE_WARM_BLEND");
-    warm_blend = !env_blend || atoi(env_blend) != 0;
-    const char * env_interleave = getenv("LLAMA_MOE_CACHE_WARM_INTERLEAVE");
-    warm_interleave = !env_interleave || atoi(env_interleave) != 0;
+    warm_blend = env_switch("LLAMA_MOE_CACHE_WARM_BLEND", true);
+    warm_interleave = env_switch("LLAMA_MOE_CACHE_WARM_INTERLEAVE", true);
     // LLAMA_PREFILL_SWAP_PARTIAL=0: every prefill-phase swap frees all the banks (the partial release off)
+    park_enabled = env_switch("LLAMA_PREFILL_SWAP_PARTIAL", true);
     // LLAMA_PREFILL_SWAP_RETARGET=0: a partial release's kept layers keep their experts (only empty slots warm)
-    const char * env_retarget = getenv("LLAMA_PREFILL_SWAP_RETARGET");
-    retarget_kept = !env_retarget || atoi(env_retarget) != 0;
-    const char * env_partial = getenv("LLAMA_PREFILL_SWAP_PARTIAL");
-    park_enabled = !env_partial || atoi(env_partial) != 0;
+    retarget_kept = env_switch("LLAMA_PREFILL_SWAP_RETARGET", true);
     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): a partial release frees at least this much per device (on a GPU
     // whose prompts take nothing of the banks' memory, it parks layers all the same)
     const char * env_park = getenv("LLAMA_PREFILL_SWAP_PARK_MIB");
     park_min_bytes = env_park && env_park[0] ? (size_t) (std::max(0.0, std::strtod(env_park, nullptr)) * 1048576.0) : 0;
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
-    const char * env_table = getenv("LLAMA_MOE_CACHE_TABLE");
-    use_tables = !env_table || atoi(env_table) != 0;
+    use_tables = env_switch("LLAMA_MOE_CACHE_TABLE", true);
     // LLAMA_MOE_CACHE_READBACK_ALL=0: the routed ids of layers not cached read back per layer (for comparison)
-    const char * env_rb_all = getenv("LLAMA_MOE_CACHE_READBACK_ALL");
-    read_back_all = !env_rb_all || atoi(env_rb_all) != 0;
+    read_back_all = env_switch("LLAMA_MOE_CACHE_READBACK_ALL", true);
     // LLAMA_MOE_CACHE_DEVICE_MAPS=0: the maps as the graphs' input, as before (for comparison)
-    const char * env_dev_maps = getenv("LLAMA_MOE_CACHE_DEVICE_MAPS");
-    device_maps = !env_dev_maps || atoi(env_dev_maps) != 0;
+    device_maps = env_switch("LLAMA_MOE_CACHE_DEVICE_MAPS", true);
     // LLAMA_MOE_CACHE_MAPS_CHECK=1 (tests): after each flush, the device's maps read back and compared with the host's
-    const char * env_maps_check = getenv("LLAMA_MOE_CACHE_MAPS_CHECK");
-    maps_check = env_maps_check && atoi(env_maps_check) != 0;
+    maps_check = env_switch("LLAMA_MOE_CACHE_MAPS_CHECK", false);
     parse_fail_env(fail_alloc_at, fail_staging_at, fail_reserve_at, fail_upload_at, fail_map_at, fail_profile);
 
     if (params.profile && params.profile[0]) {
