@@ -1548,6 +1548,31 @@ void llama_moe_cache::run_job(upload_job & job) {
 // prefill-phase swap
 //
 
+size_t llama_moe_cache::release_layer(llama_moe_cache_layer & l) {
+    if (l.cached()) {
+        for (int32_t e = 0; e < n_exp; ++e) {
+            if (l.published[e] >= 0) {
+                set_map(l.il, e, -1);
+            }
+        }
+        l.stats.rebalances += l.policy->n_rebalances(); // its next allocation starts a new policy
+        l.pins.clear();
+        for (int32_t e = 0; e < n_exp; ++e) {
+            if (l.policy->is_pinned(e)) {
+                l.pins.push_back(e);
+            }
+        }
+        l.policy.reset(); // the layer stays eligible: its reason stays empty
+    }
+    if (!l.bank_buf) {
+        return 0; // parked before, or never cached (a layer without routed experts has no device here)
+    }
+    const size_t b = ggml_backend_buffer_get_size(l.bank_buf.get());
+    freed_for_prompt[l.dev] += b;
+    free_banks(l);
+    return b;
+}
+
 uint64_t llama_moe_cache::drop_uploads(const std::vector<bool> & drop) {
     std::vector<upload_job> dropped;
     {
@@ -1599,34 +1624,8 @@ size_t llama_moe_cache::suspend(bool collect_routing) {
     }
     size_t bytes = 0;
     for (auto & l : layers) {
-        if (!l.cached()) {
-            // a parked layer's banks went at park(); one turned off by a failed copy still holds its buffer
-            l.parked = false;
-            if (l.bank_buf) {
-                const size_t b = ggml_backend_buffer_get_size(l.bank_buf.get());
-                freed_for_prompt[l.dev] += b;
-                bytes += b;
-                free_banks(l);
-            }
-            continue;
-        }
-        for (int32_t e = 0; e < n_exp; ++e) {
-            if (l.published[e] >= 0) {
-                set_map(l.il, e, -1);
-            }
-        }
-        l.stats.rebalances += l.policy->n_rebalances(); // a resume starts a new policy
-        l.pins.clear();
-        for (int32_t e = 0; e < n_exp; ++e) {
-            if (l.policy->is_pinned(e)) {
-                l.pins.push_back(e);
-            }
-        }
-        l.policy.reset(); // the layer stays eligible: its reason stays empty
-        const size_t b = l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
-        freed_for_prompt[l.dev] += b;
-        bytes += b;
-        free_banks(l);
+        l.parked = false; // a parked layer's banks went at park(); it comes back with the others
+        bytes += release_layer(l);
     }
     bank_bytes.clear();
     resume_slots = std::max(resume_slots, n_slots);
@@ -1693,39 +1692,17 @@ size_t llama_moe_cache::park(bool collect_routing, int64_t max_ubatch) {
     size_t bytes = 0;
     for (size_t i = 0; i < layers.size(); ++i) {
         auto & l = layers[i];
-        if (!l.cached()) {
-            // turned off by a failed copy (published just now, or before): its buffer goes, the layer stays off
-            if (l.bank_buf) {
-                const size_t b = ggml_backend_buffer_get_size(l.bank_buf.get());
-                freed_for_prompt[l.dev] += b;
-                bytes += b;
-                free_banks(l);
-            }
-            continue;
-        }
-        if (!chosen[i]) {
-            continue;
-        }
-        for (int32_t e = 0; e < n_exp; ++e) {
-            if (l.published[e] >= 0) {
-                set_map(l.il, e, -1);
+        // a layer a failed copy turned off (published just now, or before) loses its buffer and stays off
+        if (!l.cached() || chosen[i]) {
+            const bool parks = l.cached();
+            const size_t b = release_layer(l);
+            bytes += b;
+            if (parks) {
+                l.parked_bytes = b;
+                l.parked = true;
+                n_cached--;
             }
         }
-        l.stats.rebalances += l.policy->n_rebalances();
-        l.pins.clear();
-        for (int32_t e = 0; e < n_exp; ++e) {
-            if (l.policy->is_pinned(e)) {
-                l.pins.push_back(e);
-            }
-        }
-        l.policy.reset();
-        const size_t b = l.bank_buf ? ggml_backend_buffer_get_size(l.bank_buf.get()) : 0;
-        freed_for_prompt[l.dev] += b;
-        bytes += b;
-        l.parked_bytes = b;
-        free_banks(l);
-        l.parked = true;
-        n_cached--;
     }
     for (const auto & [dev, need] : prompt_need) {
         freed_for_prompt[dev] += 0; // a device that parked nothing is measured too

@@ -293,6 +293,9 @@ private:
     // allocation fails: that error is logged and the caller decides what follows
     bool alloc_banks(const std::vector<size_t> & ils, bool inject_fail, const char * then);
     void free_banks(llama_moe_cache_layer & l); // the layer's buffer, its bank and bias tensors
+    // a swap's release of one layer: unpublished, its pins kept, its policy dropped (it stays eligible), its
+    // buffer freed (also a layer a failed copy turned off); returns the bytes freed (counted in freed_for_prompt)
+    size_t release_layer(llama_moe_cache_layer & l);
     llama_moe_policy_config policy_config() const; // a new layer policy's (n_slots slots)
     // the free memory of a device for the banks: the host test device's budget minus what the context holds
     // there (context_bytes, the banks included), or what the device reports
