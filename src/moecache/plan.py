@@ -404,16 +404,19 @@ def parse_bandwidth(text: str) -> Bandwidth:
 
 
 # The decode cost model. A layer whose routed experts (or a cached layer's misses) run on the CPU costs per
-# decode step a fixed CPU_LAYER_S (the graph splits there, the GPU waits for the hand-over and the CPU's
-# graph) plus its experts read at the host's measured read rate; a layer with its experts whole in VRAM costs
-# nothing beyond the GPU's own step. Fitted to one run on an H100 (30B shape, 24 GiB, one user,
-# benchmarks/results/2026-12-06-vs-llama-server-30b-miss-h100.md): llama-server's --fit (18 CPU layers, 8
-# experts each) 10.96 ms per token, every layer cached with 82% hits and the misses on the CPU 13.32 ms, the
-# host read at 102.6 GB/s: 142 us per CPU layer and a GPU step of 4.67 ms.
-CPU_LAYER_S = 142e-6
-# The GPU reading missed experts in mapped host memory got 26 GB/s where a pinned copy gets 55 in that run
-# (59 t/s with every miss on the GPU against 75 on the CPU; the warm restore's uploads share the link).
-LINK_EXPERT_READ_SHARE = 0.48
+# decode step a fixed CPU_LAYER_S (the graph splits there: the copies into and out of the CPU's split, the
+# GPU waiting for the hand-over) plus its experts read at the CPU kernels' measured rate; a layer with its
+# experts whole in VRAM costs nothing beyond the GPU's own step. Fitted on an H100 (30B shape, 24 GiB, one
+# user, tree 53b2b06, benchmarks/results/2026-12-07-decode-handover-30b-24gib-h100.md): with the scheduler's
+# split times, 29 CPU splits of the plan took 4.48 ms of CPU compute where their misses' reads at the kernels'
+# 69.2 GB/s come to 3.16 ms, and 0.57 ms of copies: 65 us a CPU layer (142 us before the hand-over changes).
+CPU_LAYER_S = 65e-6
+# The GPU reading missed experts in mapped host memory, against a pinned copy's rate: every layer cached with
+# its misses on the GPU decoded 123-125 t/s (84% hits, 162 MB of misses a token) where the GPU's own step
+# takes about 4.5 ms, 45-55 GB/s of 55.4 (2026-12-07-vs-llama-server-30b-restore-24gib-h100.md). 0.48 was
+# fitted while every prompt's swap released all slots and the warm restore shared the link with the misses;
+# the partial release restores only what the prompt took.
+LINK_EXPERT_READ_SHARE = 0.86
 MISS_GPU_MIN_PCT = 2  # a crossover below this: the misses stay on the CPU
 
 
