@@ -161,6 +161,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // whose prompts take nothing of the banks' memory, it parks layers all the same)
     const char * env_park = getenv("LLAMA_PREFILL_SWAP_PARK_MIB");
     park_min_bytes = env_park && env_park[0] ? (size_t) (std::max(0.0, std::strtod(env_park, nullptr)) * 1048576.0) : 0;
+    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS=N: a swap's warm restore waits up to N ms for its copies before the first
+    // token (its misses then do not share the link with them)
+    const char * env_wait = getenv("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS");
+    restore_wait_ms = env_wait ? std::max(0, atoi(env_wait)) : 0;
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     use_tables = env_switch("LLAMA_MOE_CACHE_TABLE", true);
     // LLAMA_MOE_CACHE_READBACK_ALL=0: the routed ids of layers not cached read back per layer (for comparison)
@@ -1870,6 +1874,19 @@ size_t llama_moe_cache::bytes_banks() const {
         n += bytes;
     }
     return n;
+}
+
+double llama_moe_cache::wait_warm() {
+    if (restore_wait_ms <= 0 || is_suspended || is_parking) {
+        return 0.0;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+        std::unique_lock<std::mutex> lock(mutex);
+        cv.wait_for(lock, std::chrono::milliseconds(restore_wait_ms), [this] { return in_flight == 0; });
+    }
+    // the copies made are published by the next step, before the first decode graph
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void llama_moe_cache::after_resume(uint64_t & n_tokens, uint64_t & hits, uint64_t & misses) const {

@@ -237,6 +237,9 @@ struct llama_moe_cache {
     uint64_t warm_dropped() const { return n_warm_dropped; }
     uint64_t warm_upload_failures() const { return n_warm_failed; }
     void after_resume(uint64_t & n_tokens, uint64_t & hits, uint64_t & misses) const;
+    // after a warm resume or unpark: waits until its copies are made, at most LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS
+    // (0, the default: no wait; the first tokens decode while the copies run); the ms waited
+    double wait_warm();
 
     // bytes of the slot banks per buffer type
     std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const;
@@ -332,6 +335,7 @@ private:
     bool     park_enabled = true;    // LLAMA_PREFILL_SWAP_PARTIAL=0: every swap suspends everything
     bool     retarget_kept = true;    // LLAMA_PREFILL_SWAP_RETARGET=0: kept layers keep their experts at a restore
     size_t   park_min_bytes = 0;     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): the least a partial release frees
+    int32_t  restore_wait_ms = 0;    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS: the most a restore waits for its copies
     size_t   kept_bytes   = 0;
     int64_t  prompt_max_ubatch = 0;  // the largest ubatch of the swap's prompt so far
     int64_t  measured_ubatch   = 0;  // the largest ubatch a measured prompt ran

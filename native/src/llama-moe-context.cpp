@@ -331,16 +331,18 @@ int32_t llama_context::prefill_swap_end() {
     cparams.n_ubatch = swap_n_ubatch_decode;
     swap_active = false;
     const bool clean = swap_restore_decode();
+    double waited_ms = 0.0;
     if (moe_cache) {
         moe_cache->end_collecting();
+        waited_ms = moe_cache->wait_warm();
     }
     const double ms = (ggml_time_us() - t0)/1000.0;
     swap_stats.ms_restore     = ms;
     swap_stats.ms_total      += ms;
     swap_stats.bytes_restored = swap_compute_bytes() + (moe_cache ? moe_cache->bytes_banks() : 0);
     swap_stats.n_slots        = moe_cache ? moe_cache->slots() : 0;
-    LLAMA_LOG_DEBUG("%s: prefill swap: %.1f MiB restored in %.1f ms (%d slots per cached layer)\n", __func__,
-        swap_stats.bytes_restored/1048576.0, ms, swap_stats.n_slots);
+    LLAMA_LOG_DEBUG("%s: prefill swap: %.1f MiB restored in %.1f ms (%d slots per cached layer; %.1f ms waiting for the "
+        "warm copies)\n", __func__, swap_stats.bytes_restored/1048576.0, ms, swap_stats.n_slots, waited_ms);
     return clean ? 0 : -1;
 }
 

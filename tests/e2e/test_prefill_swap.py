@@ -518,3 +518,33 @@ def test_a_partial_release_that_does_not_fit_frees_every_bank_with_the_stock_out
     assert st["swaps"] == 2 and not any(st["failed"].values()) and st["last"]["n_slots"] == N_EXPERT // 2, st
     assert st["partial"]["fallbacks"] == 1 and st["partial"]["swaps"] == (1 if step == "unpark" else 0), st
     assert status == 200 and "llamacpp:prefill_swap_partial_fallbacks_total 1" in metrics
+
+
+def _restore_wait_run(tiny_model, wait_ms: int):
+    """One long prompt, 16 tokens, each warm copy 20 ms slower (the restore queues up to 8 x 4 of them)."""
+    env = {**HOST, "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "20", "LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS": str(wait_ms)}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+        out = complete(srv, LONG, n_predict=16)
+        st = swap_stats(srv)
+    return out, st
+
+
+def test_a_restore_can_wait_for_its_warm_copies_before_the_first_token(tiny_model, stock_big):
+    """LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS: the restore waits (at most that long) until its warm copies are made,
+    so the first tokens find the prompt's experts in the slots instead of sharing the link with the copies (on
+    a GPU with the misses read over it). Without it the first 16 tokens decode while most copies still wait;
+    with it every copy is published before the first: more of those tokens' experts hit. A short wait is a
+    bound, not a promise: the restore returns after it with the copies still running. The output is the
+    stock one in every case."""
+    _, cold = _restore_wait_run(tiny_model, 0)
+    out, warm = _restore_wait_run(tiny_model, 10000)
+    _, short = _restore_wait_run(tiny_model, 100)
+    for st in (cold, warm, short):
+        assert st["swaps"] == 1 and not any(st["failed"].values()) and st["after_restore"]["tokens"] > 0, st
+    assert out["tokens"] == stock_big[0]["tokens"]
+    # every copy waited for: its restore took the copies' time (20 ms each), and the first tokens hit more
+    assert warm["last"]["restore_ms"] >= warm["warm_uploads"] * 20 * 0.9, warm
+    assert warm["after_restore"]["hit_rate"] > cold["after_restore"]["hit_rate"], (warm, cold)
+    # a bound of 100 ms: waited that long, not for every copy
+    assert 100 <= short["last"]["restore_ms"] < warm["last"]["restore_ms"] - 200, (short["last"], warm["last"])
+    assert cold["last"]["restore_ms"] < 100, cold["last"]
