@@ -109,3 +109,17 @@ def test_cuda_swap_failures_keep_serving(tiny_model, stock_big, stock_small, ste
     ref0 = stock_small[0] if step == "reserve" else stock_big[0]
     assert outs[0]["tokens"] == ref0["tokens"]
     assert [o["tokens"] for o in outs[1:]] == [o["tokens"] for o in stock_big[1:]]
+
+
+def test_a_restore_that_waits_for_its_warm_copies_on_cuda(tiny_model, stock_big):
+    """LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS on CUDA: the restore waits until the warm copies into the VRAM banks
+    are made (each 10 ms slower here), then decode reads them; the output is the stock one."""
+    env = {"LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS": "10000", "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "10"}
+    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=180) as srv:
+        out = complete(srv, LONG, n_predict=24)
+        sw = cache_stats(srv)["prefill_swap"]
+    print("prefill swap on CUDA, restore waited:", sw["last"], sw["after_restore"])
+    assert sw["swaps"] == 1 and not any(sw["failed"].values()) and sw["warm_uploads"] > 0, sw
+    assert sw["last"]["restore_ms"] >= sw["warm_uploads"] * 10 * 0.9, sw
+    assert out["tokens"] == stock_big[0]["tokens"]
+    assert sw["after_restore"]["hits"] > 0
