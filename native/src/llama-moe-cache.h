@@ -368,6 +368,7 @@ private:
     bool    host_device = false; // test-only: banks in host memory when the layer runs on the CPU
     bool    hold_empty  = false; // test-only: never upload
     int32_t upload_delay_ms = 0; // test-only: each upload takes this much longer
+    bool    assume_skip_ids = false; // test-only: devices that cannot say implement MUL_MAT_ID skip ids (rpc-servers)
     bool    sync_uploads = false; // test-only: a step waits for the uploads in flight (deterministic hits)
     bool    warm_blend   = true;  // warm_rank() blends in the profile's counts (LLAMA_MOE_CACHE_WARM_BLEND=0: not)
     double  host_device_mib = -1.0; // test-only: memory of the host test device in MiB, < 0 = unlimited
