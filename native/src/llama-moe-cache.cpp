@@ -1726,6 +1726,10 @@ size_t llama_moe_cache::park(bool collect_routing, int64_t max_ubatch) {
     is_parking = true;
     kept_bytes = bytes_banks();
     after_resume_left = 0;
+    for (const auto & [dev, w] : want) {
+        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.3f MiB of banks freed for the %.3f MiB its prompts need\n", __func__,
+            ggml_backend_dev_name(dev), got[dev]/1048576.0, w/1048576.0);
+    }
     LLAMA_LOG_DEBUG("%s: prefill swap: %zu layers' banks freed (%.1f MiB), %.1f MiB kept\n", __func__,
         n_parked_layers(), bytes/1048576.0, kept_bytes/1048576.0);
     return bytes;

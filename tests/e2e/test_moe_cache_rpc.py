@@ -79,3 +79,41 @@ def test_decode_splits_take_only_the_misses_and_the_output_is_the_stock_one(mode
     extra = [(b, name) for b, names in splits for name in names
              if name not in stock_inputs and not ALLOWED.match(name) and not re.fullmatch(r"leaf_\d+", name)]
     assert not extra, f"split inputs beyond the stock graph's, the misses' ids and their result: {extra}"
+
+
+def test_a_partial_release_parks_layers_on_each_device(moecache_cache_dir, rpc_servers):
+    """The prefill-phase swap's partial release per device: the layers split over two rpc-servers (2 + 2), each
+    device frees from its own last cached layer back what its prompt needs (LLAMA_PREFILL_SWAP_PARK_MIB: one
+    layer's banks, no headroom), so the second swap parks one layer on each and keeps the other; the restore
+    brings both back at their slot count, and the output is the stock path's at the prefill ubatch."""
+    model = _tiny_model(moecache_cache_dir, "tiny")
+    ports = rpc_servers(2)
+    base = ["-t", "2", "-c", "2048", "-b", "256", "-np", "1", "-ngl", "99", "--cpu-moe", "--no-repack", "-lm", "none",
+            "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-sm", "layer", "-ts", "1,1"]
+    long = "The committee met on Tuesday to discuss the budget for the coming year, and " * 20
+    with ServerProcess(model, args=base + ["-ub", "128"], timeout=180) as srv:
+        ref = [complete(srv, long, n_predict=8) for _ in range(2)]
+    cache = ["--moe-cache-slots", "8", "--moe-cache-headroom", "0", "-ub", "32", "--prefill-ubatch", "128",
+             "--prefill-min-tokens", "64", "-v"]
+    env = {"LLAMA_MOE_CACHE_ASSUME_SKIP_IDS": "1"}
+    with ServerProcess(model, args=base + cache, env=env, timeout=180) as srv:
+        st = cache_stats(srv)
+        banks = st["total"]["bytes_vram"]
+    env["LLAMA_PREFILL_SWAP_PARK_MIB"] = f"{banks / 4 / 2**20:.6f}"  # one of the four layers' banks
+    with ServerProcess(model, args=base + cache, env=env, timeout=180) as srv:
+        outs = [complete(srv, long, n_predict=8) for _ in range(2)]
+        st = cache_stats(srv)
+        log = srv.log_text()
+    devices = {l["device"] for l in st["layers"] if l.get("device")}
+    assert len(devices) == 2, st["layers"]
+    sw = st["prefill_swap"]
+    assert sw["swaps"] == 2 and not any(sw["failed"].values()), sw
+    assert sw["partial"]["swaps"] == 1 and sw["partial"]["fallbacks"] == 0, sw
+    assert sw["partial"]["last_bytes_kept"] == banks // 2, (sw["partial"], banks)
+    assert "2 layers' banks freed" in log
+    # each device freed one layer's banks, its own last one (not the last two layers, both on the second device)
+    freed = re.findall(r"park: prefill swap: (RPC\d)\S*: ([\d.]+) MiB of banks freed", log)
+    assert sorted(d for d, _ in freed) == ["RPC0", "RPC1"], freed
+    assert all(abs(float(mib) - banks / 4 / 2**20) < 1e-3 for _, mib in freed), (freed, banks)
+    assert sw["last"]["n_slots"] == 8 and st["total"]["bytes_vram"] == banks
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in ref]
