@@ -48,10 +48,10 @@ def test_sparse_attention_equals_the_masked_path_at_depth(masked, sparse):
     assert sparse["tokens"] == masked["tokens"]
     diff = max_logprob_diff(masked, sparse)
     # the same cells in another order (top-k's, not the cache's): the CPU's flash attention sums V in
-    # f16, so the order shows (0.006-0.009 here; with the selection sorted into cell order, an
-    # experiment, most steps were bit-identical and the rest within 0.0016: the stock kernel splits
-    # the cache between threads). Not nothing: the sparse path ran.
-    assert 0.0 < diff < 2e-2, diff
+    # f16, so the order shows (0.006-0.009 where this was written, 0.021 on another, AVX-512 machine; with
+    # the selection sorted into cell order, an experiment, most steps were bit-identical and the rest within
+    # 0.0016: the stock kernel splits the cache between threads). Not nothing: the sparse path ran.
+    assert 0.0 < diff < 3e-2, diff
 
 
 def test_a_quantized_cache_gathers_and_dequantizes_the_selected_rows(qwen4exp_8l, deep_prompt):
