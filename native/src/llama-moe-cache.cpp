@@ -161,8 +161,8 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // whose prompts take nothing of the banks' memory, it parks layers all the same)
     const char * env_park = getenv("LLAMA_PREFILL_SWAP_PARK_MIB");
     park_min_bytes = env_park && env_park[0] ? (size_t) (std::max(0.0, std::strtod(env_park, nullptr)) * 1048576.0) : 0;
-    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS=N: a swap's warm restore waits up to N ms for its copies before the first
-    // token (its misses then do not share the link with them)
+    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS=N: a swap's warm restore waits up to N ms for its copies before decode
+    // goes on (its misses then do not share the link with them)
     const char * env_wait = getenv("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS");
     restore_wait_ms = env_wait ? std::max(0, atoi(env_wait)) : 0;
     assume_skip_ids = env_switch("LLAMA_MOE_CACHE_ASSUME_SKIP_IDS", false);
@@ -775,10 +775,6 @@ void llama_moe_cache::make_host_biases() {
         }
         return;
     }
-    // weights to the scheduler: the misses' bias additions run where the biases are (the CPU), as the misses do.
-    // Without it the last one (after the down projection) joined the GPU's next split and copied the layer's
-    // bias tensor there every step (gpt-oss-120b: 1.5 MB a layer, 4.2-4.7 ms a token on an H100)
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
     ggml_backend_buffer_clear(buf, 0);
     for (auto * l : biased) {
         for (int k = 0; k < 4; ++k) {
@@ -1054,9 +1050,6 @@ void llama_moe_cache::make_device_maps() {
                 __func__, ggml_nbytes(m)/1024.0, ggml_backend_buft_name(buft));
             continue;
         }
-        // weights to the scheduler: the rows looked up in the maps are looked up on their device (a lookup
-        // the CPU's split needs, the biased layers' misses' bias ids, copied the maps there every step)
-        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
         ggml_backend_tensor_set(m, maps_host.data(), 0, ggml_nbytes(m));
         for (size_t il : ils) {
             layers[il].maps = m;
@@ -1727,7 +1720,7 @@ size_t llama_moe_cache::park(bool collect_routing, int64_t max_ubatch) {
     kept_bytes = bytes_banks();
     after_resume_left = 0;
     for (const auto & [dev, w] : want) {
-        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.3f MiB of banks freed for the %.3f MiB its prompts need\n", __func__,
+        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.3f MiB of banks freed of %.3f MiB wanted (its prompts' need and the headroom, at least LLAMA_PREFILL_SWAP_PARK_MIB)\n", __func__,
             ggml_backend_dev_name(dev), got[dev]/1048576.0, w/1048576.0);
     }
     LLAMA_LOG_DEBUG("%s: prefill swap: %zu layers' banks freed (%.1f MiB), %.1f MiB kept\n", __func__,
@@ -1891,7 +1884,8 @@ size_t llama_moe_cache::bytes_banks() const {
 }
 
 double llama_moe_cache::wait_warm() {
-    if (restore_wait_ms <= 0 || is_suspended || is_parking) {
+    // a cache whose worker stopped (its reservation failed) never finishes what it queued: nothing to wait for
+    if (restore_wait_ms <= 0 || is_suspended || is_parking || n_cached == 0 || !worker.joinable()) {
         return 0.0;
     }
     const auto t0 = std::chrono::steady_clock::now();
