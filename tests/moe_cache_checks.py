@@ -240,3 +240,22 @@ def thp_mode() -> str:
     """The kernel's transparent huge page mode: always, madvise or never."""
     text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     return text[text.index("[") + 1:text.index("]")]
+
+
+def last_graph_splits(log: str) -> list[tuple[str, list[str]]]:
+    """The splits of the last graph the scheduler dumped: (backend, input names), in order."""
+    lines = [l for l in log.splitlines() if "## SPLIT #" in l]
+    graphs, cur = [], []
+    for l in lines:
+        m = re.search(r"## SPLIT #(\d+): (\S+) # \d+ inputs", l)
+        if not m:
+            continue
+        if m.group(1) == "0" and cur:
+            graphs.append(cur)
+            cur = []
+        # the dump's items are logged one by one: each has its own log prefix (time, level) in the line
+        items = re.sub(r"\d+\.\d+\.\d+\.\d+ [A-Z] ", "", l[m.end():])
+        cur.append((m.group(2), re.findall(r"\[(.+?) \(\s*\d+[KMG]?\)\]", items)))
+    if cur:
+        graphs.append(cur)
+    return graphs[-1] if graphs else []

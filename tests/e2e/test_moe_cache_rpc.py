@@ -19,7 +19,7 @@ import re
 import pytest
 
 from conftest import _tiny_model
-from moe_cache_checks import cache_stats, complete
+from moe_cache_checks import cache_stats, complete, last_graph_splits
 from moecache.server import ServerProcess
 
 PROMPTS = ["The committee met on Tuesday to discuss the budget", "def fibonacci(n):\n"]
@@ -31,25 +31,6 @@ ALLOWED = re.compile(r"^ffn_moe_cold(_ids|_bias_ids)?-\d+$")
 @pytest.fixture(scope="module", params=["tiny", "tiny-gpt-oss", "tiny-qwen35moe", "tiny-qwen4exp"])
 def model(request, moecache_cache_dir):
     return _tiny_model(moecache_cache_dir, request.param)
-
-
-def last_graph_splits(log: str) -> list[tuple[str, list[str]]]:
-    """The splits of the last graph the scheduler dumped: (backend, input names), in order."""
-    lines = [l for l in log.splitlines() if "## SPLIT #" in l]
-    graphs, cur = [], []
-    for l in lines:
-        m = re.search(r"## SPLIT #(\d+): (\S+) # \d+ inputs", l)
-        if not m:
-            continue
-        if m.group(1) == "0" and cur:
-            graphs.append(cur)
-            cur = []
-        # the dump's items are logged one by one: each has its own log prefix (time, level) in the line
-        items = re.sub(r"\d+\.\d+\.\d+\.\d+ [A-Z] ", "", l[m.end():])
-        cur.append((m.group(2), re.findall(r"\[(.+?) \(\s*\d+[KMG]?\)\]", items)))
-    if cur:
-        graphs.append(cur)
-    return graphs[-1] if graphs else []
 
 
 def run(model, port, extra, env):
