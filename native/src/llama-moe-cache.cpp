@@ -1720,7 +1720,8 @@ size_t llama_moe_cache::park(bool collect_routing, int64_t max_ubatch) {
     kept_bytes = bytes_banks();
     after_resume_left = 0;
     for (const auto & [dev, w] : want) {
-        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.3f MiB of banks freed of %.3f MiB wanted (its prompts' need and the headroom, at least LLAMA_PREFILL_SWAP_PARK_MIB)\n", __func__,
+        // wanted: its prompts' need and the headroom, at least LLAMA_PREFILL_SWAP_PARK_MIB
+        LLAMA_LOG_DEBUG("%s: prefill swap: %s: %.3f MiB of banks freed of %.3f MiB wanted\n", __func__,
             ggml_backend_dev_name(dev), got[dev]/1048576.0, w/1048576.0);
     }
     LLAMA_LOG_DEBUG("%s: prefill swap: %zu layers' banks freed (%.1f MiB), %.1f MiB kept\n", __func__,

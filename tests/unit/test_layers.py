@@ -12,7 +12,7 @@ from pathlib import Path
 
 import moecache
 
-PACKAGE = Path(list(moecache.__path__)[0])
+PACKAGE = Path(moecache.__file__).parent  # the sources (an editable install puts the built parts first in __path__)
 
 PRODUCT = {"moecache.api", "moecache.options", "moecache.process", "moecache.server", "moecache.plan",
            "moecache.tune"}
