@@ -63,6 +63,17 @@ static bool env_switch(const char * name, bool dflt) {
     return v ? atoi(v) != 0 : dflt;
 }
 
+// a test or comparison amount (ms, MiB): unset or empty gives 0 (or the default), a negative number 0
+static int32_t env_count(const char * name) {
+    const char * v = getenv(name);
+    return v && v[0] ? std::max(0, atoi(v)) : 0;
+}
+
+static double env_mib(const char * name, double dflt) {
+    const char * v = getenv(name);
+    return v && v[0] ? std::max(0.0, std::strtod(v, nullptr)) : dflt;
+}
+
 // LLAMA_MOE_CACHE_FAIL=alloc,staging,reserve,upload,map[:N] (test-only): N = the Nth try fails, none = every one
 static void parse_fail_env(int64_t & alloc, int64_t & staging, int64_t & reserve, int64_t & upload, int64_t & map,
         bool & profile) {
@@ -137,12 +148,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     host_device_mib = env_host_mib && env_host_mib[0] ? std::strtod(env_host_mib, nullptr) : -1.0;
     // LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB=N: that test device has N MiB less free after the first allocation,
     // as a GPU that keeps what its first long prompt loaded (kernels, workspaces)
-    const char * env_taken = getenv("LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB");
-    host_device_taken_mib = env_taken && env_taken[0] ? std::max(0.0, std::strtod(env_taken, nullptr)) : 0.0;
+    host_device_taken_mib = env_mib("LLAMA_MOE_CACHE_HOST_DEVICE_TAKEN_MIB", 0.0);
     hold_empty = env_switch("LLAMA_MOE_CACHE_HOLD_EMPTY", false);
     // LLAMA_MOE_CACHE_UPLOAD_DELAY_MS=N: each upload takes N ms longer (a slow link, for tests of what waits for uploads)
-    const char * env_delay = getenv("LLAMA_MOE_CACHE_UPLOAD_DELAY_MS");
-    upload_delay_ms = env_delay ? std::max(0, atoi(env_delay)) : 0;
+    upload_delay_ms = env_count("LLAMA_MOE_CACHE_UPLOAD_DELAY_MS");
     // LLAMA_MOE_CACHE_SYNC_UPLOADS=1: a step waits for the uploads in flight, so what a step planned serves from
     // the next step on, however fast the link: on a GPU a hit and a miss round differently, and only then
     // are two runs bit for bit comparable
@@ -159,12 +168,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     retarget_kept = env_switch("LLAMA_PREFILL_SWAP_RETARGET", true);
     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): a partial release frees at least this much per device (on a GPU
     // whose prompts take nothing of the banks' memory, it parks layers all the same)
-    const char * env_park = getenv("LLAMA_PREFILL_SWAP_PARK_MIB");
-    park_min_bytes = env_park && env_park[0] ? (size_t) (std::max(0.0, std::strtod(env_park, nullptr)) * 1048576.0) : 0;
+    park_min_bytes = (size_t) (env_mib("LLAMA_PREFILL_SWAP_PARK_MIB", 0.0) * 1048576.0);
     // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS=N: a swap's warm restore waits up to N ms for its copies before decode
     // goes on (its misses then do not share the link with them)
-    const char * env_wait = getenv("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS");
-    restore_wait_ms = env_wait ? std::max(0, atoi(env_wait)) : 0;
+    restore_wait_ms = env_count("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS");
     assume_skip_ids = env_switch("LLAMA_MOE_CACHE_ASSUME_SKIP_IDS", false);
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     use_tables = env_switch("LLAMA_MOE_CACHE_TABLE", true);
