@@ -1,0 +1,52 @@
+"""The scheduler computes a host split while the device runs the split after it, where that split needs nothing
+the host computed (GGML_SCHED_HOST_OVERLAP=0: one after the other).
+
+A device split that follows a host (CPU) split ends before its first node that reads what the host computed;
+the nodes before it run on the device while the CPU computes. Through the real llama-server with the layers on an
+rpc-server on loopback (an asynchronous device, as CUDA is), the hot-expert cache with its misses on the CPU
+(`LLAMA_MOE_CACHE_ASSUME_SKIP_IDS=1`): the graph puts the misses before the hits, so the hits run on the device
+beside them; the stock graph (`--cpu-moe`) of a model without a shared expert (`tiny`) has nothing to run beside
+its CPU splits. (A shared expert is computed after the routed experts' sum in llama.cpp's graphs, so only the
+prefix of a device split is taken: it does not run beside them yet.)
+The same ops on the same bytes in another order: the output is the same bit for bit with the switch on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import _tiny_model
+from moe_cache_checks import assert_same_outputs, cache_stats, complete
+from moecache.server import ServerProcess
+
+BESIDE = "computed while RPC0"
+PROMPTS = ["The committee met on Tuesday to discuss the budget", "def fibonacci(n):\n"]
+
+
+def run(model, port, *extra, **env):
+    args = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "99", "--cpu-moe", "--no-repack", "-lm", "none",
+            "--rpc", f"127.0.0.1:{port}", "--device", "RPC0", "-ub", "32", "-lv", "5", *extra]
+    with ServerProcess(model, args=args, env=env, timeout=180) as srv:
+        # a prompt of several ubatches, then decode steps
+        outs = [complete(srv, p * 3, n_predict=16) for p in PROMPTS]
+        stats = cache_stats(srv) if "--moe-cache-slots" in extra else None
+        return outs, srv.log_text(), stats
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])
+def test_the_caches_hits_run_beside_its_misses_and_the_output_is_the_same(moecache_cache_dir, rpc_servers, preset):
+    model = _tiny_model(moecache_cache_dir, preset)
+    [port] = rpc_servers(1)
+    cache = ("--moe-cache-slots", "8")
+    skip_ids = {"LLAMA_MOE_CACHE_ASSUME_SKIP_IDS": "1"}
+    stock, log_stock, _ = run(model, port)
+    beside, log_beside, st = run(model, port, *cache, **skip_ids)
+    apart, log_apart, _ = run(model, port, *cache, **skip_ids, GGML_SCHED_HOST_OVERLAP="0")
+    assert st["total"]["hits"] > 0 and st["total"]["misses"] > 0, st["total"]
+    if preset == "tiny":
+        # no shared expert: the stock graph's device splits all start from the CPU's output
+        assert BESIDE not in log_stock
+    assert BESIDE in log_beside, "the cache's hits did not run beside its misses"
+    assert BESIDE not in log_apart
+    assert_same_outputs(apart, beside)
+    assert [o["tokens"] for o in beside] == [o["tokens"] for o in stock]
