@@ -5,7 +5,10 @@ support. Here two rpc-servers on loopback stand for the devices, with some layer
 (-ngl below the layer count) or the KV cache on the host (-nkvo): the layer split then runs without the
 scheduler's pipeline, and the server says why at start-up (upstream says nothing, and the devices simply
 run one after the other). Every multi-GPU switch of the series still works there: sequence compaction,
-prefill chunks and decode groups, with every request's solo tokens.
+prefill chunks and decode groups, with every request's solo tokens, also with the scheduler's host overlap
+(GGML_SCHED_HOST_OVERLAP=1): with the KV cache on the host, the CPU writes it in place (SET_ROWS through a
+view) and the devices' splits read it through other views, with no edge between them; a device split that
+ran beside the CPU's before it counted that write read stale keys and gave other tokens.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ def server_args(ports, *args):
                     r"\(-ngl 1 of \d+ layers; -ngl all offloads them\)"),
     (["-ngl", "99", "-nkvo"], r"pipeline parallelism off over 2 devices: the KV cache is on the host \(-nkvo\)"),
 ], ids=["cpu-layers", "host-kv"])
-def test_a_split_without_the_pipeline_says_why_and_every_switch_works(tiny_model, rpc_servers, placement, why):
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["overlap-off", "host-overlap"])
+def test_a_split_without_the_pipeline_says_why_and_every_switch_works(tiny_model, rpc_servers, placement, why, overlap):
     ports = rpc_servers(2)
-    with ServerProcess(tiny_model, args=server_args(ports, *placement, *SWITCHES), timeout=180) as srv:
+    env = {"GGML_SCHED_HOST_OVERLAP": overlap}
+    with ServerProcess(tiny_model, args=server_args(ports, *placement, *SWITCHES), env=env, timeout=180) as srv:
         solo, together = solo_and_together(srv, N_PREDICT)
         log = srv.log_text()
     assert re.search(why, log), log[-4000:]

@@ -1,13 +1,14 @@
-"""The scheduler computes a host split while the device runs the split after it, where that split needs nothing
-the host computed (GGML_SCHED_HOST_OVERLAP=0: one after the other).
+"""With GGML_SCHED_HOST_OVERLAP=1 the scheduler computes a host split while the device runs the split after it,
+where that split needs nothing the host computed (off by default until measured on a GPU).
 
-A device split that follows a host (CPU) split ends before its first node that reads what the host computed;
-the nodes before it run on the device while the CPU computes. Through the real llama-server with the layers on an
-rpc-server on loopback (an asynchronous device, as CUDA is), the hot-expert cache with its misses on the CPU
-(`LLAMA_MOE_CACHE_ASSUME_SKIP_IDS=1`): the graph puts the misses before the hits, so the hits run on the device
-beside them; the stock graph (`--cpu-moe`) of a model without a shared expert (`tiny`) has nothing to run beside
-its CPU splits. (A shared expert is computed after the routed experts' sum in llama.cpp's graphs, so only the
-prefix of a device split is taken: it does not run beside them yet.)
+In a run of device nodes after a host (CPU) node, the nodes that need nothing the host computed go first; the
+device's split ends before the others and is launched before the host's split computes. Through the real
+llama-server with the layers on an rpc-server on loopback (an asynchronous device, as CUDA is):
+- the experts on the CPU (`--cpu-moe`) of a model with a shared expert: the shared expert (computed after the
+  routed experts' sum in llama.cpp's graph) is moved before that sum and runs beside the CPU's experts;
+- the hot-expert cache with its misses on the CPU (`LLAMA_MOE_CACHE_ASSUME_SKIP_IDS=1`): the graph puts the
+  misses before the hits, so the hits run on the device beside them; the stock graph of a model without a
+  shared expert (`tiny`) has nothing to run beside its CPU splits.
 The same ops on the same bytes in another order: the output is the same bit for bit with the switch on and off.
 """
 
@@ -20,6 +21,8 @@ from moe_cache_checks import assert_same_outputs, cache_stats, complete
 from moecache.server import ServerProcess
 
 BESIDE = "computed while RPC0"
+ON = {"GGML_SCHED_HOST_OVERLAP": "1"}
+OFF = {"GGML_SCHED_HOST_OVERLAP": "0"}  # the default, said here: the suite may run with it on
 PROMPTS = ["The committee met on Tuesday to discuss the budget", "def fibonacci(n):\n"]
 
 
@@ -33,15 +36,25 @@ def run(model, port, *extra, **env):
         return outs, srv.log_text(), stats
 
 
+def test_a_shared_expert_runs_beside_the_cpus_experts_and_the_output_is_the_same(moecache_cache_dir, rpc_servers):
+    model = _tiny_model(moecache_cache_dir, "tiny-qwen35moe")
+    [port] = rpc_servers(1)
+    beside, log_beside, _ = run(model, port, **ON)
+    apart, log_apart, _ = run(model, port, **OFF)
+    assert BESIDE in log_beside, "no device split ran beside the CPU's experts"
+    assert BESIDE not in log_apart
+    assert_same_outputs(apart, beside)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])
 def test_the_caches_hits_run_beside_its_misses_and_the_output_is_the_same(moecache_cache_dir, rpc_servers, preset):
     model = _tiny_model(moecache_cache_dir, preset)
     [port] = rpc_servers(1)
     cache = ("--moe-cache-slots", "8")
     skip_ids = {"LLAMA_MOE_CACHE_ASSUME_SKIP_IDS": "1"}
-    stock, log_stock, _ = run(model, port)
-    beside, log_beside, st = run(model, port, *cache, **skip_ids)
-    apart, log_apart, _ = run(model, port, *cache, **skip_ids, GGML_SCHED_HOST_OVERLAP="0")
+    stock, log_stock, _ = run(model, port, **ON)
+    beside, log_beside, st = run(model, port, *cache, **skip_ids, **ON)
+    apart, log_apart, _ = run(model, port, *cache, **skip_ids, **OFF)
     assert st["total"]["hits"] > 0 and st["total"]["misses"] > 0, st["total"]
     if preset == "tiny":
         # no shared expert: the stock graph's device splits all start from the CPU's output
