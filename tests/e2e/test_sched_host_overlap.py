@@ -63,3 +63,16 @@ def test_the_caches_hits_run_beside_its_misses_and_the_output_is_the_same(moecac
     assert BESIDE not in log_apart
     assert_same_outputs(apart, beside)
     assert [o["tokens"] for o in beside] == [o["tokens"] for o in stock]
+
+
+def test_a_device_write_in_place_is_not_passed_by_its_readers(moecache_cache_dir, rpc_servers):
+    """The keys' projection on the CPU (-ot attn_k.weight=CPU), the KV cache on the device: the device writes each
+    step's keys into the cache in place (SET_ROWS through a view) from the CPU's output, and attention reads the
+    cache through another view with no edge to that write. Moving attention before the write (it needs nothing
+    the host computed) would read stale keys: the reordering stops at a run's first node that writes in place."""
+    model = _tiny_model(moecache_cache_dir, "tiny")
+    [port] = rpc_servers(1)
+    keys_on_cpu = ("-ot", r"attn_k\.weight=CPU")
+    beside, _, _ = run(model, port, *keys_on_cpu, **ON)
+    apart, _, _ = run(model, port, *keys_on_cpu, **OFF)
+    assert_same_outputs(apart, beside)
