@@ -44,11 +44,15 @@ static void check_params(const llama_moe_cache_params & p) {
     if (p.policy != LLAMA_MOE_CACHE_POLICY_FREQ && p.policy != LLAMA_MOE_CACHE_POLICY_LRU) {
         fail("unknown policy " + std::to_string((int) p.policy) + " (LLAMA_MOE_CACHE_POLICY_FREQ or _LRU)");
     }
-    if (p.miss != LLAMA_MOE_CACHE_MISS_CPU && p.miss != LLAMA_MOE_CACHE_MISS_DEVICE && p.miss != LLAMA_MOE_CACHE_MISS_AUTO) {
-        fail("unknown miss " + std::to_string((int) p.miss) + " (LLAMA_MOE_CACHE_MISS_CPU, _DEVICE or _AUTO)");
+    if (p.miss != LLAMA_MOE_CACHE_MISS_CPU && p.miss != LLAMA_MOE_CACHE_MISS_DEVICE && p.miss != LLAMA_MOE_CACHE_MISS_AUTO &&
+            p.miss != LLAMA_MOE_CACHE_MISS_SPLIT) {
+        fail("unknown miss " + std::to_string((int) p.miss) + " (LLAMA_MOE_CACHE_MISS_CPU, _DEVICE, _AUTO or _SPLIT)");
     }
     if (p.miss_auto_pct < 0 || p.miss_auto_pct > 100) {
         fail("miss_auto_pct must be in 0..100 (got " + std::to_string(p.miss_auto_pct) + ")");
+    }
+    if (p.miss_split_pct < 0 || p.miss_split_pct > 100) {
+        fail("miss_split_pct must be in 0..100 (got " + std::to_string(p.miss_split_pct) + ")");
     }
     // an expert misses at most once per token, so more misses than the window holds never admit it
     if (p.policy == LLAMA_MOE_CACHE_POLICY_LRU && p.admit_misses > p.admit_window) {
@@ -120,6 +124,10 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
         any_bias = any_bias || ml.ffn_up_exps_b || ml.ffn_gate_exps_b || ml.ffn_down_exps_b || ml.ffn_gate_up_exps_b;
     }
     map_rows = (any_bias ? 4 : 2) * (int32_t) layers.size();
+    split_row0 = map_rows;
+    if (params.miss == LLAMA_MOE_CACHE_MISS_SPLIT) {
+        map_rows += (any_bias ? 2 : 1) * (int32_t) layers.size(); // the device's misses (and their bias ids)
+    }
     maps_host.resize((size_t) std::max(n_exp, 1) * map_rows);
     for (size_t il = 0; il < layers.size(); ++il) {
         auto & l = layers[il];
@@ -137,7 +145,14 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
                 maps_host[(2*layers.size() + 2*il + 0)*n_exp + e] = n_exp;
                 maps_host[(2*layers.size() + 2*il + 1)*n_exp + e] = e;
             }
+            if (params.miss == LLAMA_MOE_CACHE_MISS_SPLIT) {
+                maps_host[(split_row0 + il)*n_exp + e] = -1; // every miss on the CPU until the first split
+                if (any_bias) {
+                    maps_host[(split_row0 + layers.size() + il)*n_exp + e] = n_exp;
+                }
+            }
         }
+        l.miss_dev.assign(std::max(n_exp, 0), 0);
     }
 
     // test-only switches: banks in host memory when a layer runs on the CPU (CI has no GPU), with an
@@ -169,9 +184,6 @@ llama_moe_cache::llama_moe_cache(const llama_model & model, const llama_moe_cach
     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): a partial release frees at least this much per device (on a GPU
     // whose prompts take nothing of the banks' memory, it parks layers all the same)
     park_min_bytes = (size_t) (env_mib("LLAMA_PREFILL_SWAP_PARK_MIB", 0.0) * 1048576.0);
-    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS=N: a swap's warm restore waits up to N ms for its copies before decode
-    // goes on (its misses then do not share the link with them)
-    restore_wait_ms = env_count("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS");
     assume_skip_ids = env_switch("LLAMA_MOE_CACHE_ASSUME_SKIP_IDS", false);
     // LLAMA_MOE_CACHE_TABLE=0: never one expert FFN (the two-branch graph, for comparison)
     use_tables = env_switch("LLAMA_MOE_CACHE_TABLE", true);
@@ -610,7 +622,7 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         }
         if (params.miss != LLAMA_MOE_CACHE_MISS_CPU) {
             map_host_experts();
-            if (use_tables) {
+            if (use_tables && params.miss != LLAMA_MOE_CACHE_MISS_SPLIT) { // the tables serve every miss on the device
                 make_tables();
             }
         }
@@ -674,7 +686,8 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
 }
 
 static const char * moe_miss_name(llama_moe_cache_miss m) {
-    return m == LLAMA_MOE_CACHE_MISS_DEVICE ? "device" : m == LLAMA_MOE_CACHE_MISS_AUTO ? "auto" : "cpu";
+    return m == LLAMA_MOE_CACHE_MISS_DEVICE ? "device" : m == LLAMA_MOE_CACHE_MISS_AUTO ? "auto" :
+           m == LLAMA_MOE_CACHE_MISS_SPLIT ? "split" : "cpu";
 }
 
 void llama_moe_cache::make_readbacks() {
@@ -1087,6 +1100,18 @@ void llama_moe_cache::take_readbacks() {
 }
 
 void llama_moe_cache::update_routes() {
+    if (params.miss == LLAMA_MOE_CACHE_MISS_SPLIT) {
+        // every 16 steps from the first: only the maps change (the graphs read them), no graph is rebuilt
+        if (n_route_steps++ % 16 != 0) {
+            return;
+        }
+        for (auto & l : layers) {
+            if (l.cached()) {
+                split_misses(l);
+            }
+        }
+        return;
+    }
     // every 16 steps: a move rebuilds the graph (and recaptures device graphs)
     if (params.miss != LLAMA_MOE_CACHE_MISS_AUTO || ++n_route_steps % 16 != 0) {
         return;
@@ -1362,18 +1387,75 @@ void llama_moe_cache::set_map(int32_t il, int32_t expert, int32_t slot) {
     }
     const size_t at = (2*(size_t) il + 0)*n_exp + expert;
     maps_host[at] = slot;
-    maps_host[at + n_exp] = slot >= 0 ? -1 : expert;
     maps_lo = std::min(maps_lo, at);
-    maps_hi = std::max(maps_hi, at + n_exp + 1);
-    if ((size_t) map_rows > 2*layers.size()) {
+    maps_hi = std::max(maps_hi, at + 1);
+    if ((size_t) split_row0 > 2*layers.size()) {
         const size_t bat = (2*layers.size() + 2*(size_t) il + 0)*n_exp + expert;
         maps_host[bat] = slot >= 0 ? expert : n_exp;
-        maps_host[bat + n_exp] = slot >= 0 ? n_exp : expert;
-        maps_hi = std::max(maps_hi, bat + n_exp + 1);
+        maps_hi = std::max(maps_hi, bat + 1);
     }
+    set_miss_rows(il, expert);
     if (l.table_dev >= 0) {
         table_entry(l, expert);
     }
+}
+
+void llama_moe_cache::set_miss_rows(int32_t il, int32_t expert) {
+    const auto & l = layers[il];
+    const bool miss = l.published[expert] < 0;
+    // split: a miss the device computes is in the split row, not the cold one (and its bias id likewise)
+    const bool dev  = miss && params.miss == LLAMA_MOE_CACHE_MISS_SPLIT && l.miss_dev[expert];
+    const bool cpu  = miss && !dev;
+    const bool bias = (size_t) split_row0 > 2*layers.size();
+    auto put = [&](size_t row, int32_t v) {
+        const size_t at = row*n_exp + expert;
+        maps_host[at] = v;
+        maps_lo = std::min(maps_lo, at);
+        maps_hi = std::max(maps_hi, at + 1);
+    };
+    put(2*(size_t) il + 1, cpu ? expert : -1);
+    if (bias) {
+        put(2*layers.size() + 2*(size_t) il + 1, cpu ? expert : n_exp);
+    }
+    if (params.miss == LLAMA_MOE_CACHE_MISS_SPLIT) {
+        put((size_t) split_map_row(il), dev ? expert : -1);
+        if (bias) {
+            put((size_t) split_bias_row(il), dev ? expert : n_exp);
+        }
+    }
+}
+
+void llama_moe_cache::split_misses(llama_moe_cache_layer & l) {
+    // the device takes the most-routed missed experts until they carry miss_split_pct % of the layer's routed
+    // misses (by their heat since the stats were reset); the CPU the others. At 100 every miss goes to the device
+    std::vector<int32_t> missed;
+    uint64_t total = 0;
+    for (int32_t e = 0; e < n_exp; ++e) {
+        if (l.published[e] < 0) {
+            missed.push_back(e);
+            total += e < (int32_t) l.heat.size() ? l.heat[e] : 0;
+        }
+    }
+    auto heat = [&](int32_t e) -> uint64_t { return e < (int32_t) l.heat.size() ? l.heat[e] : 0; };
+    std::stable_sort(missed.begin(), missed.end(), [&](int32_t a, int32_t b) { return heat(a) > heat(b); });
+    std::vector<uint8_t> dev(n_exp, 0);
+    const int32_t pct = l.mapped[0] ? params.miss_split_pct : 0;
+    uint64_t taken = 0;
+    for (int32_t e : missed) {
+        if (pct >= 100 || (pct > 0 && total > 0 && heat(e) > 0 && 100*taken < (uint64_t) pct*total)) {
+            dev[e] = 1;
+            taken += heat(e);
+        }
+    }
+    int32_t n_dev = 0;
+    for (int32_t e = 0; e < n_exp; ++e) {
+        n_dev += dev[e];
+        if (dev[e] != l.miss_dev[e]) {
+            l.miss_dev[e] = dev[e];
+            set_miss_rows(l.il, e);
+        }
+    }
+    l.n_miss_dev = n_dev;
 }
 
 void llama_moe_cache::publish_done() {
@@ -1891,15 +1973,15 @@ size_t llama_moe_cache::bytes_banks() const {
     return n;
 }
 
-double llama_moe_cache::wait_warm() {
+double llama_moe_cache::wait_warm(int32_t max_ms) {
     // a cache whose worker stopped (its reservation failed) never finishes what it queued: nothing to wait for
-    if (restore_wait_ms <= 0 || is_suspended || is_parking || n_cached == 0 || !worker.joinable()) {
+    if (max_ms <= 0 || is_suspended || is_parking || n_cached == 0 || !worker.joinable()) {
         return 0.0;
     }
     const auto t0 = std::chrono::steady_clock::now();
     {
         std::unique_lock<std::mutex> lock(mutex);
-        cv.wait_for(lock, std::chrono::milliseconds(restore_wait_ms), [this] { return in_flight == 0; });
+        cv.wait_for(lock, std::chrono::milliseconds(max_ms), [this] { return in_flight == 0; });
     }
     // the copies made are published by the next step, before the first decode graph
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -2066,10 +2148,10 @@ std::string llama_moe_cache::stats_json() const {
     snprintf(buf, sizeof(buf),
         "\"enabled\":%s,\"n_slots\":%d,\"n_expert\":%d,\"n_layers\":%zu,\"n_layers_cached\":%d,\"policy\":\"%s\","
         "\"max_batch\":%d,\"rebalance_interval\":%d,\"admit_misses\":%d,\"admit_window\":%d,\"max_uploads\":%d,"
-        "\"routing_trace\":%s,\"miss\":\"%s\",\"miss_auto_pct\":%d,\"upload_cap\":%d,",
+        "\"routing_trace\":%s,\"miss\":\"%s\",\"miss_auto_pct\":%d,\"miss_split_pct\":%d,\"upload_cap\":%d,",
         enabled() ? "true" : "false", n_slots, n_exp, layers.size(), n_cached, moe_policy_name(params.policy),
         params.max_batch, params.rebalance_interval, params.admit_misses, params.admit_window, params.max_uploads,
-        trace ? "true" : "false", moe_miss_name(params.miss), params.miss_auto_pct,
+        trace ? "true" : "false", moe_miss_name(params.miss), params.miss_auto_pct, params.miss_split_pct,
         (int32_t) std::min<int64_t>((int64_t) params.max_uploads*upload_boost, INT32_MAX));
     s += buf;
     // warm starts: the uploads a prompt's routing and the profile queued into empty slots
@@ -2103,7 +2185,11 @@ std::string llama_moe_cache::stats_json() const {
             get_stats((int32_t) il, st);
             s += ",";
             json_stats(s, st);
-            s += std::string(",\"miss\":\"") + (l.mapped[0] && l.miss_device ? "device" : "cpu") + "\"";
+            s += std::string(",\"miss\":\"") + (miss_split(l) ? "split" : l.mapped[0] && l.miss_device ? "device" : "cpu") + "\"";
+            if (miss_split(l)) {
+                // the missed experts whose misses the device computes now
+                s += ",\"split_device\":" + std::to_string(l.n_miss_dev);
+            }
             s += std::string(",\"mapped\":") + (l.mapped[0] ? "true" : "false");
             s += std::string(",\"complete\":") + (l.complete ? "true" : "false");
             // whether its decode-sized graphs run one expert FFN (not with the misses on the CPU)

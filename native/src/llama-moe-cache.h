@@ -61,6 +61,10 @@ struct llama_moe_cache_layer {
     // they are not mapped; whether the graphs run the misses on them now
     ggml_tensor * mapped[3] = {};
     bool          miss_device = false;
+    // misses split per expert (LLAMA_MOE_CACHE_MISS_SPLIT): expert -> whether its misses run on the device (the
+    // layer's most-routed missed experts), chosen every 16 steps
+    std::vector<uint8_t> miss_dev;
+    int32_t              n_miss_dev = 0;
 
     // expert biases (gpt-oss), as the model's tensors (up, gate, down, gate_up), and copies with one more
     // column, of zeros, past the last expert: on the layer's device (made with the banks) and in host memory
@@ -138,7 +142,17 @@ struct llama_moe_cache {
 
     // whether the layer's misses run on its device in the graph being built (reservations: whenever
     // they can, the larger graph on the device)
-    bool miss_on_device(const llama_moe_cache_layer & l) const { return l.mapped[0] && (reserving || l.miss_device); }
+    bool miss_on_device(const llama_moe_cache_layer & l) const {
+        return l.mapped[0] && params.miss != LLAMA_MOE_CACHE_MISS_SPLIT && (reserving || l.miss_device);
+    }
+    // whether the layer's misses are split per expert between its device and the CPU (a third branch, reading
+    // the map row split_map_row(il): expert -> expert on the device, else -1; the cold row then holds the CPU's)
+    bool miss_split(const llama_moe_cache_layer & l) const {
+        return l.mapped[0] && params.miss == LLAMA_MOE_CACHE_MISS_SPLIT;
+    }
+    int64_t split_map_row (int32_t il) const { return split_row0 + il; }
+    // a biased layer's: expert if its misses run on the device, else n_expert (the zero column)
+    int64_t split_bias_row(int32_t il) const { return split_row0 + (int64_t) layers.size() + il; }
     // whether the graphs run the layer's miss branch: not while every expert is in a slot (reservations
     // keep it, so the compute buffers fit either graph)
     bool runs_misses(const llama_moe_cache_layer & l) const { return reserving || !l.complete; }
@@ -161,7 +175,8 @@ struct llama_moe_cache {
     int32_t n_layer () const { return (int32_t) layers.size(); }
     // host copy of the maps: [n_expert, n_map_rows()] I32, row 2*il = expert -> slot, row 2*il+1 = expert or -1;
     // for a model with expert biases also row 2*n_layer + 2*il = expert if in a slot, else n_expert (the
-    // biases' zero column), and row 2*n_layer + 2*il + 1 = expert if not, else n_expert
+    // biases' zero column), and row 2*n_layer + 2*il + 1 = expert if not, else n_expert; with the misses split,
+    // rows split_map_row(il) and split_bias_row(il) for the device's misses (the cold rows: the CPU's)
     const std::vector<int32_t> & maps() const { return maps_host; }
     int32_t n_map_rows() const { return map_rows; }
 
@@ -237,9 +252,9 @@ struct llama_moe_cache {
     uint64_t warm_dropped() const { return n_warm_dropped; }
     uint64_t warm_upload_failures() const { return n_warm_failed; }
     void after_resume(uint64_t & n_tokens, uint64_t & hits, uint64_t & misses) const;
-    // after a warm resume or unpark: waits until its copies are made, at most LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS
-    // (0, the default: no wait; the first tokens decode while the copies run); the ms waited
-    double wait_warm();
+    // after a warm resume or unpark: waits until its copies are made, at most max_ms (the swap's restore_wait_ms;
+    // 0: no wait, the first tokens decode while the copies run); the ms waited
+    double wait_warm(int32_t max_ms);
 
     // bytes of the slot banks per buffer type
     std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const;
@@ -286,6 +301,8 @@ private:
     void worker_main();
     void run_job(upload_job & job);
     void set_map(int32_t il, int32_t expert, int32_t slot);
+    void set_miss_rows(int32_t il, int32_t expert); // the cold (and split) rows of a missed expert, from miss_dev
+    void split_misses(llama_moe_cache_layer & l);   // SPLIT: which missed experts the device computes
     void make_host_biases();
     void map_host_experts();       // mapped[] of the layers whose device reads host memory in place
     void make_tables();            // table[] of the mapped layers whose device reads address tables
@@ -327,7 +344,7 @@ private:
 
     void make_readbacks();         // ids_out and the readbacks
     void take_readbacks();         // pending layers' ids out of the host copies (after a synchronize)
-    void update_routes();          // AUTO: each layer's misses on the CPU or the device
+    void update_routes();          // AUTO: each layer's misses on the CPU or the device; SPLIT: per expert
 
     // prefill-phase swap
     bool     is_suspended = false;
@@ -335,7 +352,6 @@ private:
     bool     park_enabled = true;    // LLAMA_PREFILL_SWAP_PARTIAL=0: every swap suspends everything
     bool     retarget_kept = true;    // LLAMA_PREFILL_SWAP_RETARGET=0: kept layers keep their experts at a restore
     size_t   park_min_bytes = 0;     // LLAMA_PREFILL_SWAP_PARK_MIB (test-only): the least a partial release frees
-    int32_t  restore_wait_ms = 0;    // LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS: the most a restore waits for its copies
     size_t   kept_bytes   = 0;
     int64_t  prompt_max_ubatch = 0;  // the largest ubatch of the swap's prompt so far
     int64_t  measured_ubatch   = 0;  // the largest ubatch a measured prompt ran
@@ -407,6 +423,7 @@ private:
     std::map<ggml_backend_buffer_type_t, size_t> aux_bytes; // device memory of the ids tensors
     bool     aux_made   = false;
     uint64_t routes_ver = 0;
+    int64_t  split_row0 = 0; // the first map row of the split's device misses (LLAMA_MOE_CACHE_MISS_SPLIT)
     uint64_t n_steps    = 0; // step() calls: one per decode and per later ubatch of it; step_ms_total / n_steps is the mean
     bool     use_tables = true;  // LLAMA_MOE_CACHE_TABLE=0 turns the one expert FFN off
     bool     warm_interleave = true; // LLAMA_MOE_CACHE_WARM_INTERLEAVE=0: warm copies layer after layer

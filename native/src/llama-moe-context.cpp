@@ -334,7 +334,7 @@ int32_t llama_context::prefill_swap_end() {
     double waited_ms = 0.0;
     if (moe_cache) {
         moe_cache->end_collecting();
-        waited_ms = moe_cache->wait_warm();
+        waited_ms = moe_cache->wait_warm((int32_t) std::min<uint32_t>(swap_params.restore_wait_ms, INT32_MAX));
     }
     const double ms = (ggml_time_us() - t0)/1000.0;
     swap_stats.ms_restore     = ms;
@@ -363,6 +363,7 @@ struct llama_prefill_swap_params llama_prefill_swap_default_params(void) {
     p.min_tokens   = 1024; // a swap costs 0.15-0.2 s on the H200, a 512-token ubatch streaming the experts 0.37 s
     p.mode         = LLAMA_PREFILL_SWAP_TRANSACTION;
     p.warm_restore = true;
+    p.restore_wait_ms = 0; // decode at once; moecache-server plans a wait where the restore copies over the link
     return p;
 }
 
@@ -400,6 +401,7 @@ struct llama_moe_cache_params llama_moe_cache_default_params(void) {
     p.routing_trace      = nullptr;
     p.miss               = LLAMA_MOE_CACHE_MISS_CPU;
     p.miss_auto_pct      = 25;
+    p.miss_split_pct     = 50;
     p.warm_prompts       = false;
     p.profile            = nullptr;
     return p;

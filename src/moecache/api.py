@@ -391,24 +391,27 @@ class Context:
     the last step's uploads were done in time and more were wanted); the banks are sized after the KV cache and
     the compute buffers, from the device memory then free minus `moe_cache_headroom_mib`.
     `moe_cache_miss` says where the misses run: "cpu" (a round trip to the CPU per cached layer),
-    "gpu" (the layer's GPU reads the missed experts in host memory in place, pinned at start-up) or
+    "gpu" (the layer's GPU reads the missed experts in host memory in place, pinned at start-up),
     "auto" (per layer, on the GPU while its recent misses are at most `moe_cache_miss_auto_pct` % of
-    its routed experts). `moe_cache_warm_prompts` fills empty slots with the experts a prompt routed most
+    its routed experts) or "split" (per expert, at once: the GPU the most-routed missed experts, about
+    `moe_cache_miss_split_pct` % of the misses, the CPU the others). `moe_cache_warm_prompts` fills empty slots with the experts a prompt routed most
     before its tokens decode; `moe_cache_profile` names an expert profile kept across restarts: read when
     the context is made (its hottest experts fill the slots; a damaged or foreign file is ignored with a
     warning) and written when the context is freed, this run's routing added. An option
     left as None takes its environment variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_CACHE_SLOTS,
     LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
-    (0, 0, "freq", 40, 8, 2, 16, 2, 512, "cpu", 25).
+    (0, 0, "freq", 40, 8, 2, 16, 2, 512, "cpu", 25, 50).
     `self.expert_cache` reports and steers the cache.
 
     Prefill-phase swap (off by default, PREFILL_SWAP_OPTIONS): with `prefill_ubatch` set (at most
     n_batch, larger than n_ubatch), a prompt of at least `prefill_min_tokens` tokens runs at that
     ubatch: the expert cache's slot banks, the compute buffers and the GPU pools are released for
     it and restored before the first token is sampled (`prefill_warm_restore`: the slots are refilled
-    with the experts the prompt routed most). `prefill_swap_mode` "bypass" makes every decision and
-    keeps n_ubatch (a control arm). Environment: LLAMA_ARG_PREFILL_UBATCH, LLAMA_ARG_PREFILL_MIN_TOKENS,
-    LLAMA_ARG_PREFILL_SWAP_MODE, LLAMA_ARG_PREFILL_WARM_RESTORE (or the LLAMA_PHASE_PREFILL_* names).
+    with the experts the prompt routed most; `prefill_restore_wait_ms`: the first token waits at most that
+    long for those copies, so decode does not share the link with them). `prefill_swap_mode` "bypass" makes
+    every decision and keeps n_ubatch (a control arm). Environment: LLAMA_ARG_PREFILL_UBATCH,
+    LLAMA_ARG_PREFILL_MIN_TOKENS, LLAMA_ARG_PREFILL_SWAP_MODE, LLAMA_ARG_PREFILL_WARM_RESTORE,
+    LLAMA_ARG_PREFILL_RESTORE_WAIT (or the LLAMA_PHASE_PREFILL_* names).
     `self.prefill_swap` holds the settings and the counters.
 
     Long context (off by default, LONG_CONTEXT_OPTIONS): `qsa_sparse` makes the QSA layers of qwen4exp
@@ -429,7 +432,9 @@ class Context:
     expert (LLAMA_ARG_CPU_EXPERTS_FLAT); with `cpu_experts_x4` it computes four Q4_0 or MXFP4 rows' dot products at once
     (LLAMA_ARG_CPU_EXPERTS_X4), where the experts keep the GGUF layout (`pinned=True` or `repack=False`; repacked
     experts keep their own kernels). Both apply to experts computed on the CPU (in host memory, the expert
-    cache's misses); together they read those experts up to twice as fast.
+    cache's misses); together they read those experts up to twice as fast. With `cpu_experts_overlap`
+    (LLAMA_ARG_CPU_EXPERTS_OVERLAP) the GPU runs the nodes that need nothing from the CPU's experts (the expert
+    cache's hits, a shared expert) while the CPU computes them.
     """
 
     def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
@@ -439,13 +444,16 @@ class Context:
                  moe_cache_max_batch: int | None = None, moe_cache_admit_misses: int | None = None,
                  moe_cache_admit_window: int | None = None, moe_cache_max_uploads: int | None = None,
                  moe_cache_headroom_mib: int | None = None, moe_cache_miss: str | None = None,
-                 moe_cache_miss_auto_pct: int | None = None, moe_cache_warm_prompts: bool | None = None,
+                 moe_cache_miss_auto_pct: int | None = None, moe_cache_miss_split_pct: int | None = None,
+                 moe_cache_warm_prompts: bool | None = None,
                  moe_cache_profile: str | os.PathLike | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
+                 prefill_restore_wait_ms: int | None = None,
                  qsa_sparse: bool | None = None, kq_mask_device: bool | None = None,
                  qsa_block_topk: bool | None = None, pp_overrides: bool | None = None,
-                 cpu_experts_flat: bool | None = None, cpu_experts_x4: bool | None = None):
+                 cpu_experts_flat: bool | None = None, cpu_experts_x4: bool | None = None,
+                 cpu_experts_overlap: bool | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a moecache.Model (got {type(model).__name__})")
         n_ctx = _check_int("n_ctx", n_ctx, minimum=1, what=" > 0")
@@ -470,6 +478,7 @@ class Context:
             "moe_cache_headroom_mib": moe_cache_headroom_mib,
             "moe_cache_miss": moe_cache_miss,
             "moe_cache_miss_auto_pct": moe_cache_miss_auto_pct,
+            "moe_cache_miss_split_pct": moe_cache_miss_split_pct,
             "moe_cache_warm_prompts": moe_cache_warm_prompts,
             "moe_cache_profile": os.fspath(moe_cache_profile) if moe_cache_profile is not None else None,
         })
@@ -478,11 +487,13 @@ class Context:
             "prefill_min_tokens": prefill_min_tokens,
             "prefill_swap_mode": prefill_swap_mode,
             "prefill_warm_restore": prefill_warm_restore,
+            "prefill_restore_wait_ms": prefill_restore_wait_ms,
         })
         long_context = _long_context_options({"qsa_sparse": qsa_sparse, "kq_mask_device": kq_mask_device,
                                               "qsa_block_topk": qsa_block_topk})
         multi_gpu = _multi_gpu_options({"pp_overrides": pp_overrides})
-        cpu_experts = _cpu_expert_options({"cpu_experts_flat": cpu_experts_flat, "cpu_experts_x4": cpu_experts_x4})
+        cpu_experts = _cpu_expert_options({"cpu_experts_flat": cpu_experts_flat, "cpu_experts_x4": cpu_experts_x4,
+                                           "cpu_experts_overlap": cpu_experts_overlap})
         self.model = model
         self._c = _core().Context(model._m, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=n_threads,
                                   flash_attn=flash_attn, **moe_cache, **prefill_swap, **long_context,
@@ -645,7 +656,8 @@ class PrefillSwap:
         if not o["prefill_ubatch"]:
             return "moecache.PrefillSwap(off)"
         return (f"moecache.PrefillSwap(prefill_ubatch={o['prefill_ubatch']}, prefill_min_tokens={o['prefill_min_tokens']}, "
-                f"mode={o['prefill_swap_mode']!r}, warm_restore={o['prefill_warm_restore']})")
+                f"mode={o['prefill_swap_mode']!r}, warm_restore={o['prefill_warm_restore']}, "
+                f"restore_wait_ms={o['prefill_restore_wait_ms']})")
 
 
 class ExpertCache:

@@ -35,7 +35,7 @@ def _check_int(name: str, value, minimum: int | None = None, maximum: int | None
 
 
 MOE_CACHE_POLICIES = ("freq", "lru")
-MOE_CACHE_MISS_VALUES = ("cpu", "gpu", "auto")
+MOE_CACHE_MISS_VALUES = ("cpu", "gpu", "auto", "split")
 PREFILL_SWAP_MODES = ("transaction", "bypass")
 
 _INT32_MAX = 2**31 - 1
@@ -113,11 +113,15 @@ MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
         "device memory in MiB left free after the slot banks, which take what the context leaves"),
     "moe_cache_miss": FeatureOption(
         "--moe-cache-miss", "LLAMA_ARG_MOE_CACHE_MISS", (), "cpu", None, None,
-        "where misses run: 'cpu', 'gpu' (the GPU reads the host experts in place) or 'auto' (per layer)",
+        "where misses run: 'cpu', 'gpu' (the GPU reads the host experts in place), 'auto' (per layer) or 'split' "
+        "(per expert, the GPU and the CPU at once)",
         choices=MOE_CACHE_MISS_VALUES),
     "moe_cache_miss_auto_pct": FeatureOption(
         "--moe-cache-miss-auto-pct", "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT", (), 25, 0, 100,
         "miss 'auto': a layer's misses run on the GPU while they are at most this % of its routed experts"),
+    "moe_cache_miss_split_pct": FeatureOption(
+        "--moe-cache-miss-split-pct", "LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT", (), 50, 0, 100,
+        "miss 'split': the share (%) of a layer's misses the GPU computes, those of its most-routed missed experts"),
     "moe_cache_warm_prompts": FeatureOption(
         "--moe-cache-warm-prompts", "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS", (), False, None, None,
         "fill empty slots with the experts a prompt routed most, so the first tokens decode warm", boolean=True),
@@ -141,6 +145,9 @@ PREFILL_SWAP_OPTIONS: dict[str, FeatureOption] = {
     "prefill_warm_restore": FeatureOption(
         "--prefill-warm-restore", "LLAMA_ARG_PREFILL_WARM_RESTORE", (), True, None, None,
         "refill the expert cache with the prompt's most-routed experts", boolean=True),
+    "prefill_restore_wait_ms": FeatureOption(
+        "--prefill-restore-wait", "LLAMA_ARG_PREFILL_RESTORE_WAIT", ("LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS",), 0, 0,
+        600000, "ms the prompt's first token waits at most for the warm restore's copies (0 = decode at once)"),
 }
 
 # long-context attention: switches of the sparse paths
@@ -172,6 +179,10 @@ CPU_EXPERT_OPTIONS: dict[str, FeatureOption] = {
     "cpu_experts_x4": FeatureOption(
         "--cpu-experts-x4", "LLAMA_ARG_CPU_EXPERTS_X4", (), False, None, None,
         "experts computed on the CPU one token at a time: four Q4_0 or MXFP4 rows' dot products at once", boolean=True),
+    "cpu_experts_overlap": FeatureOption(
+        "--cpu-experts-overlap", "LLAMA_ARG_CPU_EXPERTS_OVERLAP", (), False, None, None,
+        "while the CPU computes experts, the GPU runs what needs nothing from them (the cache's hits, a shared expert)",
+        boolean=True),
 }
 
 # --- llama-server only: the server's slots, speculation, probes (no Python parameter) ---
@@ -460,6 +471,8 @@ PLAN_SETTINGS = {
                                  MOE_CACHE_OPTIONS["moe_cache_warm_prompts"].env_names),
     "--moe-cache-profile": ((MOE_CACHE_OPTIONS["moe_cache_profile"].flag,), MOE_CACHE_OPTIONS["moe_cache_profile"].env_names),
     "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
+    "--prefill-restore-wait": ((PREFILL_SWAP_OPTIONS["prefill_restore_wait_ms"].flag,),
+                               PREFILL_SWAP_OPTIONS["prefill_restore_wait_ms"].env_names),
     # the CPU's expert switches: ggml's own variables count as the user's setting too (a 0 there stays off)
     "--host-hugepages": (("--host-hugepages", "--no-host-hugepages"),
                          ("LLAMA_ARG_HOST_HUGEPAGES", "GGML_CUDA_HOST_HUGEPAGES")),
@@ -467,6 +480,8 @@ PLAN_SETTINGS = {
                            (*CPU_EXPERT_OPTIONS["cpu_experts_flat"].env_names, "GGML_CPU_MMID_FLAT")),
     "--cpu-experts-x4": (("--cpu-experts-x4", "--no-cpu-experts-x4"),
                          (*CPU_EXPERT_OPTIONS["cpu_experts_x4"].env_names, "GGML_CPU_DOT_X4")),
+    "--cpu-experts-overlap": (("--cpu-experts-overlap", "--no-cpu-experts-overlap"),
+                              (*CPU_EXPERT_OPTIONS["cpu_experts_overlap"].env_names, "GGML_SCHED_HOST_OVERLAP")),
 }
 
 

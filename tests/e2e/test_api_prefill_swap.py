@@ -71,7 +71,8 @@ def test_options_come_from_arguments_then_the_environment(model, monkeypatch):
     monkeypatch.setenv("LLAMA_ARG_PREFILL_WARM_RESTORE", "off")
     ctx = model.context(**CTX, n_ubatch=32, prefill_min_tokens=64)
     assert ctx.prefill_swap.options == {"prefill_ubatch": 128, "prefill_min_tokens": 64,
-                                        "prefill_swap_mode": "transaction", "prefill_warm_restore": False}
+                                        "prefill_swap_mode": "transaction", "prefill_warm_restore": False,
+                                        "prefill_restore_wait_ms": 0}
     assert ctx.generate(LONG, max_tokens=2).timings["prefill_ubatch"] == 128
     with pytest.raises(ValueError, match="prefill_swap_mode must be one of 'transaction', 'bypass'"):
         model.context(**CTX, n_ubatch=32, prefill_swap_mode="fast")
@@ -110,3 +111,22 @@ def test_pinned_experts_stay_pinned_across_a_swap(model):
     ctx.generate(LONG, max_tokens=8)
     assert ctx.prefill_swap.stats()["swaps"] == 1
     assert expert in ctx.expert_cache.resident(1)
+
+
+def test_the_restore_can_wait_for_its_warm_copies(model, monkeypatch):
+    """prefill_restore_wait_ms: the restore waits (at most that long) until its warm copies are made (each 20 ms
+    slower here), so the first tokens find the prompt's experts in the slots; without it the copies run behind
+    decode. The tokens are the same either way."""
+    monkeypatch.setenv("LLAMA_MOE_CACHE_UPLOAD_DELAY_MS", "20")
+    runs = {}
+    for wait in (0, 10000):
+        ctx = model.context(**CTX, **SWAP, **CACHE, prefill_restore_wait_ms=wait)
+        assert f"restore_wait_ms={wait}" in repr(ctx.prefill_swap)
+        runs[wait] = (ctx.generate(LONG, max_tokens=8), ctx.prefill_swap.stats())
+    (cold, cold_st), (warm, warm_st) = runs[0], runs[10000]
+    assert warm.tokens == cold.tokens
+    assert warm_st["warm_uploads"] >= 8, warm_st
+    assert warm_st["restore_ms"] >= warm_st["warm_uploads"] * 20 * 0.9, warm_st
+    assert cold_st["restore_ms"] < warm_st["restore_ms"] / 2, (cold_st, warm_st)
+    with pytest.raises(ValueError, match="prefill_restore_wait_ms must be an integer in"):
+        model.context(**CTX, **SWAP, prefill_restore_wait_ms=-5)

@@ -85,21 +85,22 @@ def test_the_python_api_takes_them(core, tiny_q4_0, monkeypatch):
     import moecache
     from moecache import _core
 
-    for var in ("LLAMA_ARG_CPU_EXPERTS_FLAT", "LLAMA_ARG_CPU_EXPERTS_X4"):
+    for var in ("LLAMA_ARG_CPU_EXPERTS_FLAT", "LLAMA_ARG_CPU_EXPERTS_X4", "LLAMA_ARG_CPU_EXPERTS_OVERLAP"):
         monkeypatch.delenv(var, raising=False)
     model = moecache.Model(tiny_q4_0, repack=False)  # the GGUF layout, where the four-row kernel applies
     kw = {"n_ctx": 512, "n_batch": 64, "n_ubatch": 32, "n_threads": 2}
     off = model.context(**kw)
     assert "the CPU's experts at decode" not in "\n".join(_core.log_tail(400))
-    on = model.context(**kw, cpu_experts_flat=True, cpu_experts_x4=True)
+    on = model.context(**kw, cpu_experts_flat=True, cpu_experts_x4=True, cpu_experts_overlap=True)
     tail = "\n".join(_core.log_tail(400))
     assert "the CPU's experts at decode: one run of the experts' rows per thread" in tail
     assert "the CPU's experts at decode: four Q4_0 or MXFP4 rows' dot products at once" in tail
     monkeypatch.setenv("LLAMA_ARG_CPU_EXPERTS_X4", "on")
     by_env = model.context(**kw)
     assert [c.cpu_expert_options for c in (off, on, by_env)] == [
-        {"cpu_experts_flat": False, "cpu_experts_x4": False}, {"cpu_experts_flat": True, "cpu_experts_x4": True},
-        {"cpu_experts_flat": False, "cpu_experts_x4": True}]
+        {"cpu_experts_flat": False, "cpu_experts_x4": False, "cpu_experts_overlap": False},
+        {"cpu_experts_flat": True, "cpu_experts_x4": True, "cpu_experts_overlap": True},
+        {"cpu_experts_flat": False, "cpu_experts_x4": True, "cpu_experts_overlap": False}]
     a, b, c = (ctx.generate(PROMPTS[0], max_tokens=8, temperature=0.0) for ctx in (off, on, by_env))
     assert a.tokens == b.tokens == c.tokens
     # the first decode step with a switch on (on's: off's took the stock path, which says nothing)

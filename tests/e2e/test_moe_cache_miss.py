@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from moe_cache_checks import N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
+from moe_cache_checks import N_EXPERT, N_LAYER, N_USED, PROMPTS, cache_stats, complete, logprobs
 from moecache.server import ServerError, ServerProcess
 
 BASE_ARGS = ["-t", "2", "-c", "1024", "-np", "1", "-ngl", "0", "--no-repack", "--metrics"]
@@ -98,6 +98,49 @@ def test_auto_moves_layers_by_their_recent_misses(tiny_model, stock, pct, device
         assert tot["n_miss_device"] == 0 and tot["route_switches"] == 0
 
 
+@pytest.mark.parametrize("pct", [100, 50, 0])
+def test_split_misses_give_the_stock_output(tiny_model, stock, pct):
+    """--moe-cache-miss split: each layer's most-routed missed experts on the (test) device, the others on the CPU,
+    in one step (a third branch reading its own map row). Every expert a miss here: at 100 the device computes
+    all of them, at 0 the CPU does, at 50 each layer's hottest until they carry half its misses. The output is
+    the stock path's bit for bit every way."""
+    args = ["--moe-cache-slots", "8", "--moe-cache-miss", "split", "--moe-cache-miss-split-pct", str(pct)]
+    outs, st, metrics, _ = run(tiny_model, args, EMPTY, prompts=PROMPTS * 2)
+    same_as_stock(stock * 2, outs)
+    assert st["miss"] == "split" and st["miss_split_pct"] == pct
+    assert all(layer["miss"] == "split" and layer["mapped"] is True for layer in st["layers"])
+    on_device = [layer["split_device"] for layer in st["layers"]]
+    if pct == 100:
+        assert on_device == [N_EXPERT] * N_LAYER
+    elif pct == 0:
+        assert on_device == [0] * N_LAYER
+    else:
+        assert all(0 < n < N_EXPERT for n in on_device), on_device
+    assert st["total"]["n_miss_device"] == 0 and st["total"]["route_switches"] == 0  # no layer moved as a whole
+
+
+def test_split_misses_with_hits_match_stock(tiny_model, stock):
+    """The split while slots fill: hits on the device, the hottest misses beside them, the rest on the CPU."""
+    args = ["--moe-cache-slots", "8", "--moe-cache-miss", "split", "--moe-cache-max-uploads", "8",
+            "--moe-cache-rebalance-interval", "4"]
+    outs, st, _, _ = run(tiny_model, args, HOST, prompts=PROMPTS * 2)
+    same_as_stock(stock * 2, outs)
+    tot = st["total"]
+    assert tot["hits"] > 0 and tot["misses"] > 0 and tot["uploads"] > 0
+    assert any(layer["split_device"] > 0 for layer in st["layers"]), [layer["split_device"] for layer in st["layers"]]
+
+
+def test_split_misses_without_a_mapping_stay_on_the_cpu(tiny_model, stock):
+    """LLAMA_MOE_CACHE_FAIL=map with the split: the device cannot read the host experts, so every miss stays the
+    CPU's (no device share is chosen), the server answers, the output is unchanged."""
+    env = {**EMPTY, "LLAMA_MOE_CACHE_FAIL": "map"}
+    outs, st, _, log = run(tiny_model, ["--moe-cache-slots", "8", "--moe-cache-miss", "split",
+                                        "--moe-cache-miss-split-pct", "100"], env)
+    same_as_stock(stock, outs)
+    assert "injected: LLAMA_MOE_CACHE_FAIL" in log
+    assert all(layer["miss"] == "cpu" and layer["mapped"] is False for layer in st["layers"])
+
+
 def test_routed_ids_of_many_ubatches_per_decode_are_read_back_in_order(tiny_model, tmp_path):
     """-ub 2 under --moe-cache-max-batch 8: every prompt decode runs many cache-active ubatches, each
     written into the same ids tensor and read back in one copy. The routing trace (what was read
@@ -118,7 +161,8 @@ def test_routed_ids_of_many_ubatches_per_decode_are_read_back_in_order(tiny_mode
         assert a["layers"] == b["layers"], f"pos {a['pos']}"
 
 
-@pytest.mark.parametrize("flag,value", [("--moe-cache-miss", "fast"), ("--moe-cache-miss-auto-pct", "101")])
+@pytest.mark.parametrize("flag,value", [("--moe-cache-miss", "fast"), ("--moe-cache-miss-auto-pct", "101"),
+                                        ("--moe-cache-miss-split-pct", "-1")])
 def test_bad_miss_flags_fail_with_a_clear_error(tiny_model, llama_server_bin, flag, value):
     with pytest.raises(ServerError) as e:
         with ServerProcess(tiny_model, args=BASE_ARGS + [flag, value], timeout=60):

@@ -3,7 +3,7 @@ host test device as the GPU: the `demo` preset (rows of 256 values, so K-quants 
 llama-quantize as Q4_K_M (Q4_K and Q6_K experts) and as MXFP4_MOE (MXFP4 experts), and the `tiny-gpt-oss`
 preset as MXFP4_MOE (MXFP4 experts with biases, as gpt-oss ships them).
 Uploads into slots, the two branches with the misses on the CPU, the misses on the device through the address
-tables, and a prompt the prefill-phase swap runs at a 4x ubatch with its warm restore each give the stock
+tables, the misses split between the device and the CPU, and a prompt the prefill-phase swap runs at a 4x ubatch with its warm restore each give the stock
 path's tokens and top log-probabilities bit for bit."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run(model, args, prompts, n_predict=12):
 SHORT = ["def add(a, b):\n    return a + b\n", "The history of the city begins"]
 
 
-@pytest.mark.parametrize("miss", ["cpu", "gpu"])
+@pytest.mark.parametrize("miss", ["cpu", "gpu", "split"])
 def test_slots_and_both_miss_paths_are_exact(typed_model, miss):
     ref, _, _ = run(typed_model, ["-ub", "64"], SHORT)
     outs, st, _ = run(typed_model, ["-ub", "64", "--moe-cache-slots", "8", "--moe-cache-miss", miss], SHORT)
@@ -55,6 +55,9 @@ def test_slots_and_both_miss_paths_are_exact(typed_model, miss):
     assert tot["uploads"] > 0 and tot["hits"] > 0 and tot["misses"] > 0, tot
     if miss == "gpu":
         assert all(l["table"] and l["miss"] == "device" for l in st["layers"]), st["layers"]
+    if miss == "split":  # the device's share of the misses (with the biases' own rows for tiny-gpt-oss)
+        assert all(l["miss"] == "split" and not l["table"] for l in st["layers"]), st["layers"]
+        assert any(l["split_device"] > 0 for l in st["layers"]), st["layers"]
 
 
 def test_a_swapped_prompt_and_its_warm_restore_are_exact(typed_model):

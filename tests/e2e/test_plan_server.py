@@ -138,7 +138,8 @@ def _plan_lines(text):
 
 
 PLANNED = ("-ngl 99 -b 2048 --cpu-moe --no-repack -lm none --host-hugepages --cpu-experts-flat --cpu-experts-x4 "
-           f"--moe-cache-slots {SLOTS} --moe-cache-warm-prompts --prefill-ubatch 256 --moe-cache-profile ")
+           f"--cpu-experts-overlap --moe-cache-slots {SLOTS} --moe-cache-warm-prompts --prefill-ubatch 256 "
+           "--prefill-restore-wait 1000 --moe-cache-profile ")
 
 
 def test_moecache_server_plan_auto(tiny_model, budget, subprocess_env, free_port):

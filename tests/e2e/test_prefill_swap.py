@@ -282,6 +282,7 @@ def test_the_server_and_the_python_api_share_the_defaults(tiny_model):
     defaults = {name: o.default for name, o in api.PREFILL_SWAP_OPTIONS.items()}
     assert st["min_tokens"] == defaults["prefill_min_tokens"]
     assert st["mode"] == defaults["prefill_swap_mode"] and st["warm_restore"] == defaults["prefill_warm_restore"]
+    assert st["restore_wait_ms"] == defaults["prefill_restore_wait_ms"]
 
 
 def test_with_ngram_drafts_the_swap_gives_the_stock_output(gemma_model, llama_server_bin):
@@ -520,25 +521,32 @@ def test_a_partial_release_that_does_not_fit_frees_every_bank_with_the_stock_out
     assert status == 200 and "llamacpp:prefill_swap_partial_fallbacks_total 1" in metrics
 
 
-def _restore_wait_run(tiny_model, wait_ms: int):
-    """One long prompt, 16 tokens, each warm copy 20 ms slower (the restore queues up to 8 x 4 of them)."""
-    env = {**HOST, "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "20", "LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS": str(wait_ms)}
-    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=120) as srv:
+def _restore_wait_run(tiny_model, wait_ms: int, how: str = "flag"):
+    """One long prompt, 16 tokens, each warm copy 20 ms slower (the restore queues up to 8 x 4 of them). The
+    wait set by --prefill-restore-wait, or by its variable (LLAMA_ARG_PREFILL_RESTORE_WAIT) or old name."""
+    env = {**HOST, "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "20"}
+    args = BASE_ARGS + SWAP + CACHE
+    if how == "flag":
+        args = args + ["--prefill-restore-wait", str(wait_ms)]
+    else:
+        env[{"env": "LLAMA_ARG_PREFILL_RESTORE_WAIT", "old": "LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS"}[how]] = str(wait_ms)
+    with ServerProcess(tiny_model, args=args, env=env, timeout=120) as srv:
         out = complete(srv, LONG, n_predict=16)
         st = swap_stats(srv)
+    assert st["restore_wait_ms"] == wait_ms, st
     return out, st
 
 
 def test_a_restore_can_wait_for_its_warm_copies_before_the_first_token(tiny_model, stock_big):
-    """LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS: the restore waits (at most that long) until its warm copies are made,
+    """--prefill-restore-wait MS: the restore waits (at most that long) until its warm copies are made,
     so the first tokens find the prompt's experts in the slots instead of sharing the link with the copies (on
     a GPU with the misses read over it). Without it the first 16 tokens decode while most copies still wait;
     with it every copy is published before the first: more of those tokens' experts hit. A short wait is a
     bound, not a promise: the restore returns after it with the copies still running. The output is the
     stock one in every case."""
-    _, cold = _restore_wait_run(tiny_model, 0)
-    out, warm = _restore_wait_run(tiny_model, 10000)
-    _, short = _restore_wait_run(tiny_model, 100)
+    _, cold = _restore_wait_run(tiny_model, 0, "env")
+    out, warm = _restore_wait_run(tiny_model, 10000, "flag")
+    _, short = _restore_wait_run(tiny_model, 100, "old")
     for st in (cold, warm, short):
         assert st["swaps"] == 1 and not any(st["failed"].values()) and st["after_restore"]["tokens"] > 0, st
     assert out["tokens"] == stock_big[0]["tokens"]

@@ -1,5 +1,6 @@
-"""With GGML_SCHED_HOST_OVERLAP=1 the scheduler computes a host split while the device runs the split after it,
-where that split needs nothing the host computed (off by default until measured on a GPU).
+"""With --cpu-experts-overlap (or ggml's GGML_SCHED_HOST_OVERLAP=1) the scheduler computes a host split while the
+device runs the split after it, where that split needs nothing the host computed (off by default in llama-server;
+moecache-server's plan turns it on with the experts on the CPU).
 
 In a run of device nodes after a host (CPU) node, the nodes that need nothing the host computed go first; the
 device's split ends before the others and is launched before the host's split computes. Through the real
@@ -44,6 +45,20 @@ def test_a_shared_expert_runs_beside_the_cpus_experts_and_the_output_is_the_same
     assert BESIDE in log_beside, "no device split ran beside the CPU's experts"
     assert BESIDE not in log_apart
     assert_same_outputs(apart, beside)
+
+
+def test_the_flag_and_its_variable_turn_it_on_for_the_context(moecache_cache_dir, rpc_servers):
+    """--cpu-experts-overlap (LLAMA_ARG_CPU_EXPERTS_OVERLAP) sets it on the context's scheduler, without ggml's
+    variable; --no-cpu-experts-overlap and the default leave it off. The output is the same every way."""
+    model = _tiny_model(moecache_cache_dir, "tiny-qwen35moe")
+    [port] = rpc_servers(1)
+    flag, log_flag, _ = run(model, port, "--cpu-experts-overlap", **OFF)
+    var, log_var, _ = run(model, port, **OFF, LLAMA_ARG_CPU_EXPERTS_OVERLAP="1")
+    off, log_off, _ = run(model, port, "--no-cpu-experts-overlap", **OFF)
+    assert BESIDE in log_flag and BESIDE in log_var, "the flag did not turn the overlap on"
+    assert BESIDE not in log_off
+    assert_same_outputs(off, flag)
+    assert_same_outputs(off, var)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt-oss"])

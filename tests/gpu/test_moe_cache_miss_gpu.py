@@ -69,6 +69,27 @@ def test_hits_and_gpu_misses_match_stock(demo_model, stock, miss):
         assert max_logprob_diff(a, b) < 2e-2
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "one-after-the-other"])
+def test_split_misses_on_cuda_match_stock(demo_model, stock, overlap):
+    """--moe-cache-miss split on CUDA: each layer's hottest missed experts read by the GPU over the link, the others
+    computed by the CPU at the same time (with --cpu-experts-overlap, beside the GPU's hits and share). The same
+    tokens as the CPU path; only device rounding differs."""
+    args = BASE_ARGS + ["--moe-cache-slots", "16", "--moe-cache-miss", "split", "--moe-cache-max-uploads", "16",
+                        "--moe-cache-rebalance-interval", "4",
+                        "--cpu-experts-overlap" if overlap else "--no-cpu-experts-overlap"]
+    with ServerProcess(demo_model, args=args, timeout=180) as srv:
+        complete(srv, PROMPTS[0] * 3, n_predict=48)
+        outs = [complete(srv, p) for p in PROMPTS]
+        st = cache_stats(srv)
+    tot = st["total"]
+    assert tot["uploads"] > 0 and tot["hits"] > 0 and tot["misses"] > 0, tot
+    assert all(layer["miss"] == "split" for layer in st["layers"]), st["layers"][0]
+    assert any(0 < layer["split_device"] for layer in st["layers"]), [layer["split_device"] for layer in st["layers"]]
+    for a, b in zip(stock, outs):
+        assert a["tokens"] == b["tokens"]
+        assert max_logprob_diff(a, b) < 2e-2
+
+
 def test_a_failed_mapping_on_cuda_keeps_the_cpu_misses(demo_model, stock):
     args = BASE_ARGS + ["--moe-cache-slots", "8", "--moe-cache-miss", "gpu"]
     with ServerProcess(demo_model, args=args, env={"LLAMA_MOE_CACHE_FAIL": "map"}, timeout=180) as srv:

@@ -112,10 +112,11 @@ def test_cuda_swap_failures_keep_serving(tiny_model, stock_big, stock_small, ste
 
 
 def test_a_restore_that_waits_for_its_warm_copies_on_cuda(tiny_model, stock_big):
-    """LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS on CUDA: the restore waits until the warm copies into the VRAM banks
-    are made (each 10 ms slower here), then decode reads them; the output is the stock one."""
-    env = {"LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS": "10000", "LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "10"}
-    with ServerProcess(tiny_model, args=BASE_ARGS + SWAP + CACHE, env=env, timeout=180) as srv:
+    """--prefill-restore-wait on CUDA: the restore waits until the warm copies into the VRAM banks are made
+    (each 10 ms slower here), then decode reads them; the output is the stock one."""
+    env = {"LLAMA_MOE_CACHE_UPLOAD_DELAY_MS": "10"}
+    args = BASE_ARGS + SWAP + CACHE + ["--prefill-restore-wait", "10000"]
+    with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
         out = complete(srv, LONG, n_predict=24)
         sw = cache_stats(srv)["prefill_swap"]
     print("prefill swap on CUDA, restore waited:", sw["last"], sw["after_restore"])

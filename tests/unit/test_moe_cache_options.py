@@ -19,6 +19,7 @@ DEFAULTS = {
     "moe_cache_headroom_mib": 512,
     "moe_cache_miss": "cpu",
     "moe_cache_miss_auto_pct": 25,
+    "moe_cache_miss_split_pct": 50,
     "moe_cache_warm_prompts": False,
     "moe_cache_profile": "",
 }
@@ -36,6 +37,7 @@ ENV = {
     "moe_cache_headroom_mib": "LLAMA_ARG_MOE_CACHE_HEADROOM",
     "moe_cache_miss": "LLAMA_ARG_MOE_CACHE_MISS",
     "moe_cache_miss_auto_pct": "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT",
+    "moe_cache_miss_split_pct": "LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT",
     "moe_cache_warm_prompts": "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS",
     "moe_cache_profile": "LLAMA_ARG_MOE_CACHE_PROFILE",
 }
@@ -57,6 +59,7 @@ FLAGS = {
     "moe_cache_headroom_mib": "--moe-cache-headroom",
     "moe_cache_miss": "--moe-cache-miss",
     "moe_cache_miss_auto_pct": "--moe-cache-miss-auto-pct",
+    "moe_cache_miss_split_pct": "--moe-cache-miss-split-pct",
     "moe_cache_warm_prompts": "--moe-cache-warm-prompts",
     "moe_cache_profile": "--moe-cache-profile",
 }
@@ -98,8 +101,9 @@ def test_environment_gives_the_defaults():
         "LLAMA_ARG_MOE_CACHE_ADMIT_WINDOW": "64",
         "LLAMA_ARG_MOE_CACHE_MAX_UPLOADS": "4",
         "LLAMA_ARG_MOE_CACHE_HEADROOM": "1024",
-        "LLAMA_ARG_MOE_CACHE_MISS": "auto",
+        "LLAMA_ARG_MOE_CACHE_MISS": "split",
         "LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT": "40",
+        "LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT": "70",
         "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS": "on",
         "LLAMA_ARG_MOE_CACHE_PROFILE": " experts.profile ",
     }
@@ -113,8 +117,9 @@ def test_environment_gives_the_defaults():
         "moe_cache_admit_window": 64,
         "moe_cache_max_uploads": 4,
         "moe_cache_headroom_mib": 1024,
-        "moe_cache_miss": "auto",
+        "moe_cache_miss": "split",
         "moe_cache_miss_auto_pct": 40,
+        "moe_cache_miss_split_pct": 70,
         "moe_cache_warm_prompts": True,
         "moe_cache_profile": "experts.profile",
     }

@@ -132,6 +132,23 @@ def test_the_swap_takes_the_largest_ubatch_whose_buffers_fit(fake_probe):
     assert p.prefill_ubatch is None and any("shorter than 1024" in n for n in p.notes)
 
 
+def test_a_swap_with_the_cache_waits_for_its_warm_copies_unless_you_say_otherwise(fake_probe):
+    # the swap's warm restore refills the slots: the first token waits (at most RESTORE_WAIT_MS) for those copies
+    model = fake_probe(answer(prefill_compute={2048: 2 * GiB, 1024: 1 * GiB}))
+    p = make_plan(Request(model, gpu_mem_gib=[24.0]))
+    assert p.slots > 0 and p.prefill_ubatch
+    args = p.args()
+    assert last_value(args, "--prefill-restore-wait") == str(planmod.RESTORE_WAIT_MS) and planmod.RESTORE_WAIT_MS > 0
+    # no swap (a short prompt), no wait; no cache (no room for a slot), no wait
+    assert "--prefill-restore-wait" not in make_plan(Request(model, gpu_mem_gib=[24.0], prompt_tokens=600)).args()
+    assert "--prefill-restore-wait" not in make_plan(Request(fake_probe(answer()), gpu_mem_gib=[7.55])).args()
+    # your flag or variable (new name or old) wins
+    for rest, env in ((["--prefill-restore-wait", "0"], {}), ([], {"LLAMA_ARG_PREFILL_RESTORE_WAIT": "0"}),
+                      ([], {"LLAMA_PREFILL_SWAP_RESTORE_WAIT_MS": "5"})):
+        assert "--prefill-restore-wait" not in server.planned_args(args, rest, env)
+    assert "--prefill-restore-wait" in server.planned_args(args, [], {})
+
+
 def test_the_swap_is_not_planned_where_the_batch_caps_its_ubatch(fake_probe):
     model = fake_probe(lambda args: probe_result([gpu()], n_ubatch=min(ub_of(args), 512)) if "--cpu-moe" in args
                        else probe_result([gpu(model=60 * GiB)]))
@@ -232,17 +249,22 @@ def test_the_users_flags_and_environment_win_over_the_plan():
 
 
 def test_experts_on_the_cpu_get_its_fast_switches_unless_you_set_them(fake_probe):
-    # the misses run on the CPU: the plan turns on huge pages, the flat split and the four-row dots
+    # the misses run on the CPU: the plan turns on huge pages, the flat split, the four-row dots and the overlap
     # (bit-identical, 1.1-1.3x decode of the cache's misses on the H200); each stays yours to set
     model = fake_probe(answer())
     p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False))
-    for flag in ("--host-hugepages", "--cpu-experts-flat", "--cpu-experts-x4"):
+    for flag in ("--host-hugepages", "--cpu-experts-flat", "--cpu-experts-x4", "--cpu-experts-overlap"):
         assert flag in p.args()
     assert "--host-hugepages" not in make_plan(Request(fake_probe(answer(whole_fits=True)), gpu_mem_gib=[24.0])).args()
     plan = p.args()
     got = server.planned_args(plan, ["--no-cpu-experts-x4"], {"GGML_CPU_MMID_FLAT": "0"})
     assert "--cpu-experts-x4" not in got and "--cpu-experts-flat" not in got and "--host-hugepages" in got
     assert "--host-hugepages" not in server.planned_args(plan, [], {"LLAMA_ARG_HOST_HUGEPAGES": "0"})
+    # ggml's own variable counts as yours too (GGML_SCHED_HOST_OVERLAP=0: off)
+    for rest, env in ((["--no-cpu-experts-overlap"], {}), ([], {"GGML_SCHED_HOST_OVERLAP": "0"}),
+                      ([], {"LLAMA_ARG_CPU_EXPERTS_OVERLAP": "off"})):
+        got = server.planned_args(plan, rest, env)
+        assert "--cpu-experts-overlap" not in got and "--cpu-experts-x4" in got
     assert server.planned_args(plan, [], {}) == plan
 
 

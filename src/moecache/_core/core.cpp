@@ -525,7 +525,10 @@ static llama_moe_cache_miss parse_moe_cache_miss(const std::string & name) {
     if (name == "auto") {
         return LLAMA_MOE_CACHE_MISS_AUTO;
     }
-    throw std::invalid_argument("moe_cache_miss must be 'cpu', 'gpu' or 'auto' (got '" + name + "')");
+    if (name == "split") {
+        return LLAMA_MOE_CACHE_MISS_SPLIT;
+    }
+    throw std::invalid_argument("moe_cache_miss must be 'cpu', 'gpu', 'auto' or 'split' (got '" + name + "')");
 }
 
 // The hot-expert cache settings of a context. The library checks them (the wrapper first, naming its
@@ -533,7 +536,8 @@ static llama_moe_cache_miss parse_moe_cache_miss(const std::string & name) {
 static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, const std::string & policy,
                                                     int rebalance_interval, int max_batch, int admit_misses,
                                                     int admit_window, int max_uploads, int headroom_mib,
-                                                    const std::string & miss, int miss_auto_pct, bool warm_prompts) {
+                                                    const std::string & miss, int miss_auto_pct, int miss_split_pct,
+                                                    bool warm_prompts) {
     llama_moe_cache_params p = llama_moe_cache_default_params();
     p.n_slots = slots;
     p.size_mib = size_mib;
@@ -547,18 +551,22 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.routing_trace = nullptr; // record_routing starts and stops a trace
     p.miss = parse_moe_cache_miss(miss);
     p.miss_auto_pct = miss_auto_pct;
+    p.miss_split_pct = miss_split_pct;
     p.warm_prompts = warm_prompts;
     p.profile = nullptr; // set by make_context, to a string the context keeps
     return p;
 }
 
 static llama_prefill_swap_params make_prefill_swap_params(int n_ubatch, int min_tokens, const std::string & mode,
-                                                          bool warm_restore) {
+                                                          bool warm_restore, int restore_wait_ms) {
     if (n_ubatch < 0) {
         throw std::invalid_argument("prefill_ubatch must be >= 0 (got " + std::to_string(n_ubatch) + ")");
     }
     if (min_tokens < 1) {
         throw std::invalid_argument("prefill_min_tokens must be >= 1 (got " + std::to_string(min_tokens) + ")");
+    }
+    if (restore_wait_ms < 0 || restore_wait_ms > 600000) {
+        throw std::invalid_argument("prefill_restore_wait_ms must be in 0..600000 (got " + std::to_string(restore_wait_ms) + ")");
     }
     llama_prefill_swap_params p = llama_prefill_swap_default_params();
     p.n_ubatch = (uint32_t) n_ubatch;
@@ -571,6 +579,7 @@ static llama_prefill_swap_params make_prefill_swap_params(int n_ubatch, int min_
         throw std::invalid_argument("prefill_swap_mode must be 'transaction' or 'bypass' (got '" + mode + "')");
     }
     p.warm_restore = warm_restore;
+    p.restore_wait_ms = (uint32_t) restore_wait_ms;
     return p;
 }
 
@@ -581,11 +590,13 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     int moe_cache_admit_misses, int moe_cache_admit_window,
                                                     int moe_cache_max_uploads, int moe_cache_headroom_mib,
                                                     const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
+                                                    int moe_cache_miss_split_pct,
                                                     bool moe_cache_warm_prompts, const std::string & moe_cache_profile,
                                                     int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore,
-                                                    bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
-                                                    bool pp_overrides, bool cpu_experts_flat, bool cpu_experts_x4) {
+                                                    int prefill_restore_wait_ms, bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
+                                                    bool pp_overrides, bool cpu_experts_flat, bool cpu_experts_x4,
+                                                    bool cpu_experts_overlap) {
     if (n_ctx <= 0) {
         throw std::invalid_argument("n_ctx must be > 0 (got " + std::to_string(n_ctx) + ")");
     }
@@ -633,14 +644,17 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
     params.moe_cache = make_moe_cache_params(moe_cache_slots, moe_cache_size_mib, moe_cache_policy,
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
                                              moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib,
-                                             moe_cache_miss, moe_cache_miss_auto_pct, moe_cache_warm_prompts);
-    params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore);
+                                             moe_cache_miss, moe_cache_miss_auto_pct, moe_cache_miss_split_pct,
+                                             moe_cache_warm_prompts);
+    params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore,
+                                                   prefill_restore_wait_ms);
     params.qsa_sparse = qsa_sparse;
     params.kq_mask_device = kq_mask_device;
     params.qsa_block_topk = qsa_block_topk;
     params.pp_overrides = pp_overrides;
     params.cpu_experts_flat = cpu_experts_flat;
     params.cpu_experts_x4 = cpu_experts_x4;
+    params.cpu_experts_overlap = cpu_experts_overlap;
 
     auto c = std::make_shared<context_handle>();
     c->model = std::move(m);
@@ -1438,11 +1452,14 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_admit_misses") = 2, py::arg("moe_cache_admit_window") = 16,
              py::arg("moe_cache_max_uploads") = 2, py::arg("moe_cache_headroom_mib") = 512,
              py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
+             py::arg("moe_cache_miss_split_pct") = 50,
              py::arg("moe_cache_warm_prompts") = false, py::arg("moe_cache_profile") = "",
              py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
+             py::arg("prefill_restore_wait_ms") = 0,
              py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false,
-             py::arg("pp_overrides") = false, py::arg("cpu_experts_flat") = false, py::arg("cpu_experts_x4") = false)
+             py::arg("pp_overrides") = false, py::arg("cpu_experts_flat") = false, py::arg("cpu_experts_x4") = false,
+             py::arg("cpu_experts_overlap") = false)
         .def_property_readonly("n_ctx", [](const context_handle & c) { return llama_n_ctx(c.ctx); })
         .def_property_readonly("n_batch", [](const context_handle & c) { return llama_n_batch(c.ctx); })
         .def_property_readonly("n_ubatch", [](const context_handle & c) { return llama_n_ubatch(c.ctx); })
