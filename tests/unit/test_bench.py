@@ -348,6 +348,22 @@ def test_write_results_md_and_json(tmp_path):
     assert "server exited with status 1" in text
 
 
+def test_the_comparison_gives_each_arms_first_request_against_its_own_warm_rate():
+    run = fake_run()
+    run["arms"][1]["launcher"] = "moecache-server"
+    for r, first, warm in ((run["results"][0], 100.0, 100.0), (run["results"][1], 90.0, 180.0)):
+        r["first_decode_tps"] = stats.summarize([first])
+        r["warm_decode_tps"] = stats.summarize([warm, warm])
+    lines = report.comparison_lines(run)
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    fast = next([c.strip() for c in line.strip("|").split("|")] for line in lines if "| fast |" in line)
+    assert len(head) == len(fast) and all(line.count("|") == lines[0].count("|") for line in lines)
+    cell = dict(zip(head, fast))
+    assert cell["first request decode t/s"] == "90.0 (0.90x)" and cell["warm decode t/s"] == "180 (1.80x)"
+    assert cell["first / warm"] == "0.50"
+    assert "`first / warm`" in report.render_markdown(run)
+
+
 def test_git_commit_of_this_checkout():
     c = report.git_commit()
     assert c.startswith("unknown") or len(c.split("+")[0]) >= 7

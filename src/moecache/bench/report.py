@@ -540,8 +540,8 @@ def _over(a: float | None, b: float | None) -> str:
 def comparison_lines(run: dict) -> list[str]:
     """The comparison users make, one row per arm and case against the baseline's row of the same case:
     prefill and TTFT as speed-ups, the decode of the first request (the server's first where warmup = 0) and
-    of the later ones (warm), and the first request after a restart where the arm had one. [] when the run
-    has no other arm than its baseline."""
+    of the later ones (warm), the arm's own first request over its warm rate (how warm it starts), and the
+    first request after a restart where the arm had one. [] when the run has no other arm than its baseline."""
     base = run.get("baseline")
     rows = {(r["arm"], r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)): r
             for r in run.get("results", [])}
@@ -550,9 +550,9 @@ def comparison_lines(run: dict) -> list[str]:
         return []
     restarts = {a["name"]: a["restart"] for a in run.get("arms", []) if a.get("restart")}
     med = lambda r, k: ((r or {}).get(k) or {}).get("median")  # noqa: E731
-    lines = ["| case | arm | prefill | TTFT | first request decode t/s | warm decode t/s | after a restart t/s "
-             "| hits |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| case | arm | prefill | TTFT | first request decode t/s | warm decode t/s | first / warm "
+             "| after a restart t/s | hits |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     r0 = run["results"][0] if run["results"] else {}
     first_case = (r0.get("prompt"), r0.get("length"), r0.get("depth", 0), 1)  # the case a restart asks
     for (arm, prompt, length, depth, users), r in rows.items():
@@ -561,7 +561,7 @@ def comparison_lines(run: dict) -> list[str]:
         b = rows.get((base, prompt, length, depth, users))
         case = f"{prompt} {_length_short(r)}" + (f" @{depth}" if depth else "") + (f", {users} users" if users > 1 else "")
         if r.get("error") or b is None or b.get("error"):
-            lines.append(f"| {_md_cell(case)} | {_md_cell(arm)} | - | - | - | - | - | - |")
+            lines.append(f"| {_md_cell(case)} | {_md_cell(arm)} | - | - | - | - | - | - | - |")
             continue
         ratios = r.get("ratios") or {}
         first, bfirst = med(r, "first_decode_tps"), med(b, "first_decode_tps")
@@ -575,7 +575,7 @@ def comparison_lines(run: dict) -> list[str]:
         lines.append(
             f"| {_md_cell(case)} | {_md_cell(arm)} | {_fmt_ratio(ratios.get('prefill_tps'))} "
             f"| {_fmt_ratio(ratios.get('ttft_ms'))} | {_fmt_num(first)} ({_over(first, bfirst)}) "
-            f"| {_fmt_num(warm)} ({_over(warm, bwarm)}) | {restart} "
+            f"| {_fmt_num(warm)} ({_over(warm, bwarm)}) | {f'{first / warm:.2f}' if first and warm else '-'} | {restart} "
             f"| {_fmt_rate((r.get('moe_cache') or {}).get('hit_rate'))} |")
     return lines
 
@@ -703,7 +703,8 @@ def render_markdown(run: dict) -> str:
             "and, in brackets, its ratio to the baseline's: of the case's first timed request (with warmup 0 "
             "the server's first request, for the first case), of the later ones (warm), and of the first request "
             "after the server was stopped and started again (its expert profile read at start; against the "
-            "baseline's own restart where it had one, else its warm rate). `hits`: the expert cache's hit rate "
+            "baseline's own restart where it had one, else its warm rate). `first / warm`: the arm's first "
+            "request's decode over its own warm rate (1.00: it starts warm). `hits`: the expert cache's hit rate "
             "over the row's requests.",
             "",
             *comparison,
