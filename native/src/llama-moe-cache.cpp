@@ -405,7 +405,8 @@ void llama_moe_cache::disable_layer(llama_moe_cache_layer & l, const std::string
     if (!l.cached()) {
         return;
     }
-    // every expert of the layer a miss again: a graph that still splits the layer computes it all on the CPU
+    // every expert of the layer a miss again: a graph that still splits the layer computes it all as misses (on
+    // the CPU, the device, or both as the split's rows say)
     for (int32_t e = 0; e < n_exp; ++e) {
         if (l.published[e] >= 0) {
             set_map(l.il, e, -1);
@@ -2185,8 +2186,9 @@ std::string llama_moe_cache::stats_json() const {
             get_stats((int32_t) il, st);
             s += ",";
             json_stats(s, st);
-            s += std::string(",\"miss\":\"") + (miss_split(l) ? "split" : l.mapped[0] && l.miss_device ? "device" : "cpu") + "\"";
-            if (miss_split(l)) {
+            const bool split = l.mapped[0] && params.miss == LLAMA_MOE_CACHE_MISS_SPLIT;
+            s += std::string(",\"miss\":\"") + (split ? "split" : l.mapped[0] && l.miss_device ? "device" : "cpu") + "\"";
+            if (split) {
                 // the missed experts whose misses the device computes now
                 s += ",\"split_device\":" + std::to_string(l.n_miss_dev);
             }

@@ -147,8 +147,9 @@ struct llama_moe_cache {
     }
     // whether the layer's misses are split per expert between its device and the CPU (a third branch, reading
     // the map row split_map_row(il): expert -> expert on the device, else -1; the cold row then holds the CPU's)
+    // (not at a share of 0: every miss is the CPU's, no device branch)
     bool miss_split(const llama_moe_cache_layer & l) const {
-        return l.mapped[0] && params.miss == LLAMA_MOE_CACHE_MISS_SPLIT;
+        return l.mapped[0] && params.miss == LLAMA_MOE_CACHE_MISS_SPLIT && params.miss_split_pct > 0;
     }
     int64_t split_map_row (int32_t il) const { return split_row0 + il; }
     // a biased layer's: expert if its misses run on the device, else n_expert (the zero column)
