@@ -472,6 +472,20 @@ def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float, layer_s: f
                          f"a CPU layer {layer_s * 1e6:.0f} us)")
 
 
+def split_share(bw: "Bandwidth", missed_bytes: float, layer_s: float = CPU_LAYER_S) -> tuple[float, float]:
+    """--moe-cache-miss split by the cost model: the share s of a layer's missed bytes (`missed_bytes` a step) on
+    the GPU over the link, the rest on the CPU at the same time (a CPU layer plus its read), so the layer's misses
+    take max(s M / link, CPU layer + (1 - s) M / cpu); the two are equal at s = (CPU layer + M / cpu) /
+    (M / link + M / cpu), capped at 1. Returns (s, the modelled seconds). Not measured on a GPU yet: the plan
+    does not choose the split, it says what the model expects of it."""
+    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.cpu_read()
+    if missed_bytes <= 0:
+        return 0.0, 0.0
+    on_link, on_cpu = missed_bytes / link, missed_bytes / cpu
+    s = min(1.0, (layer_s + on_cpu) / (on_link + on_cpu))
+    return s, max(s * on_link, layer_s + (1.0 - s) * on_cpu if s < 1.0 else 0.0)
+
+
 @dataclass
 class Rates:
     """Bounds from the bandwidths: decode reads the dense weights and the hits from VRAM and the misses from
@@ -680,6 +694,24 @@ class Plan:
         layer_expert = max(d.slot / d.n_moe_layers for d in cached)
         return miss_placement(self.request.bandwidth, self.n_expert_used * layer_expert)
 
+    def split_text(self) -> str | None:
+        """What the cost model expects of --moe-cache-miss split at the plan's hit rate (a line of the rendered plan;
+        None without bandwidths or a cache)."""
+        bw = self.request.bandwidth
+        cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
+        if bw is None or not bw.usable() or not cached or self.all_in_vram:
+            return None
+        h, _ = self.hit_rate()
+        missed = self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached) * (1.0 - h)
+        if missed <= 0:
+            return None
+        s, t = split_share(bw, missed)
+        cpu = CPU_LAYER_S + missed / bw.cpu_read()
+        gpu = missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE)
+        return (f"misses split (--moe-cache-miss split --moe-cache-miss-split-pct {round(100 * s)}), by the model at "
+                f"{100 * h:.0f}% hits: {t * 1e6:.0f} us a cached layer, against {cpu * 1e6:.0f} on the CPU and "
+                f"{gpu * 1e6:.0f} on the GPU (not measured yet; not chosen)")
+
     def args(self) -> list[str]:
         if self.all_in_vram:
             return server_args(self.request, experts_on_host=False)
@@ -783,6 +815,9 @@ class Plan:
                          "   compute while a prompt runs, in place of the banks and the decode buffers")
         if self.slots:
             lines.append(f"misses: {self.miss().why}")
+            split = self.split_text()
+            if split:
+                lines.append(split)
         if self.residency is not None:
             res = self.residency
             lines.append(f"per layer: {'the last ' + str(whole) + ' layers whole in VRAM' if whole else 'every layer cached'}, "

@@ -638,3 +638,31 @@ def test_the_placement_probes_the_whole_model_once(fake_probe):
     placed(model, swap=False)
     whole = [a for a in fake_probe.calls if not {"--cpu-moe", "--n-cpu-moe"} & set(a)]
     assert len(whole) == 1, fake_probe.calls
+
+
+def test_the_split_of_the_misses_balances_the_link_against_the_cpu():
+    # gpt-oss's layers on the H100 machine: 4 routed MXFP4 experts of 13 MB at 49% hits, link 55 GB/s, the
+    # CPU's experts 76 GB/s: the two parts are equal near 45% on the GPU, and faster than either alone
+    bw = planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=76e9)
+    missed = 4 * 13e6 * 0.51
+    s, t = planmod.split_share(bw, missed)
+    link = missed / (55e9 * planmod.LINK_EXPERT_READ_SHARE)
+    cpu = planmod.CPU_LAYER_S + missed / 76e9
+    assert 0.40 < s < 0.50
+    assert t == pytest.approx(s * link) == pytest.approx(planmod.CPU_LAYER_S + (1 - s) * missed / 76e9)
+    assert t < min(link, cpu)
+    # misses that cross the link faster than a CPU layer's fixed cost: every miss on the GPU, the link's time
+    few = 1e6
+    s, t = planmod.split_share(bw, few)
+    assert s == 1.0 and t == pytest.approx(few / (55e9 * planmod.LINK_EXPERT_READ_SHARE))
+    assert planmod.split_share(bw, 0.0) == (0.0, 0.0)
+
+
+def test_the_rendered_plan_says_what_the_model_expects_of_the_split(fake_probe):
+    model = fake_probe(answer())
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False,
+                          bandwidth=planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=80e9)))
+    line = next(x for x in p.render().splitlines() if x.startswith("misses split"))
+    assert "--moe-cache-miss-split-pct" in line and "not chosen" in line
+    assert "split" not in " ".join(p.args())  # the plan does not choose it
+    assert not any(x.startswith("misses split") for x in make_plan(Request(model, gpu_mem_gib=[16.0])).render().splitlines())
