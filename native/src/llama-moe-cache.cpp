@@ -1429,15 +1429,15 @@ void llama_moe_cache::set_miss_rows(int32_t il, int32_t expert) {
 void llama_moe_cache::split_misses(llama_moe_cache_layer & l) {
     // the device takes the most-routed missed experts until they carry miss_split_pct % of the layer's routed
     // misses (by their heat since the stats were reset); the CPU the others. At 100 every miss goes to the device
+    auto heat = [&](int32_t e) -> uint64_t { return e < (int32_t) l.heat.size() ? l.heat[e] : 0; };
     std::vector<int32_t> missed;
     uint64_t total = 0;
     for (int32_t e = 0; e < n_exp; ++e) {
         if (l.published[e] < 0) {
             missed.push_back(e);
-            total += e < (int32_t) l.heat.size() ? l.heat[e] : 0;
+            total += heat(e);
         }
     }
-    auto heat = [&](int32_t e) -> uint64_t { return e < (int32_t) l.heat.size() ? l.heat[e] : 0; };
     std::stable_sort(missed.begin(), missed.end(), [&](int32_t a, int32_t b) { return heat(a) > heat(b); });
     std::vector<uint8_t> dev(n_exp, 0);
     const int32_t pct = l.mapped[0] ? params.miss_split_pct : 0;
