@@ -476,8 +476,9 @@ def split_share(bw: "Bandwidth", missed_bytes: float, layer_s: float = CPU_LAYER
     """--moe-cache-miss split by the cost model: the share s of a layer's missed bytes (`missed_bytes` a step) on
     the GPU over the link, the rest on the CPU at the same time (a CPU layer plus its read), so the layer's misses
     take max(s M / link, CPU layer + (1 - s) M / cpu); the two are equal at s = (CPU layer + M / cpu) /
-    (M / link + M / cpu), capped at 1. Returns (s, the modelled seconds). Not measured on a GPU yet: the plan
-    does not choose the split, it says what the model expects of it."""
+    (M / link + M / cpu), capped at 1. Returns (s, the modelled seconds). On an H100 the split gained less than
+    this says (both halves read host memory, which the model leaves out: 2026-12-07-misses-split-h100-analysis.md),
+    so the plan does not choose it; it says what the model expects of it."""
     link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.cpu_read()
     if missed_bytes <= 0:
         return 0.0, 0.0
@@ -710,7 +711,7 @@ class Plan:
         gpu = missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE)
         return (f"misses split (--moe-cache-miss split --moe-cache-miss-split-pct {round(100 * s)}), by the model at "
                 f"{100 * h:.0f}% hits: {t * 1e6:.0f} us a cached layer, against {cpu * 1e6:.0f} on the CPU and "
-                f"{gpu * 1e6:.0f} on the GPU (not measured yet; not chosen)")
+                f"{gpu * 1e6:.0f} on the GPU (not chosen: on an H100 it gained less than this model says)")
 
     def args(self) -> list[str]:
         if self.all_in_vram:
