@@ -470,6 +470,10 @@ PLAN_SETTINGS = {
     "--moe-cache-warm-prompts": (("--moe-cache-warm-prompts", "--no-moe-cache-warm-prompts"),
                                  MOE_CACHE_OPTIONS["moe_cache_warm_prompts"].env_names),
     "--moe-cache-profile": ((MOE_CACHE_OPTIONS["moe_cache_profile"].flag,), MOE_CACHE_OPTIONS["moe_cache_profile"].env_names),
+    # where the misses run and the shares of auto and split: a variable is yours as much as a flag (the plan's flag
+    # would beat it in llama-server)
+    **{MOE_CACHE_OPTIONS[k].flag: ((MOE_CACHE_OPTIONS[k].flag,), MOE_CACHE_OPTIONS[k].env_names)
+       for k in ("moe_cache_miss", "moe_cache_miss_auto_pct", "moe_cache_miss_split_pct")},
     "--prefill-ubatch": ((PREFILL_SWAP_OPTIONS["prefill_ubatch"].flag,), PREFILL_SWAP_OPTIONS["prefill_ubatch"].env_names),
     "--prefill-restore-wait": ((PREFILL_SWAP_OPTIONS["prefill_restore_wait_ms"].flag,),
                                PREFILL_SWAP_OPTIONS["prefill_restore_wait_ms"].env_names),

@@ -426,6 +426,14 @@ CPU_LAYER_S = 65e-6
 # the partial release restores only what the prompt took.
 LINK_EXPERT_READ_SHARE = 0.86
 MISS_GPU_MIN_PCT = 2  # a crossover below this: the misses stay on the CPU
+# The link's share of its pinned rate while the CPU streams the other misses beside it (--moe-cache-miss split):
+# both read host memory. Fitted on an H100 with gpt-oss-120b's layers at 49% hits (a42d54e,
+# 2026-12-07-misses-split-h100-analysis.md): with 30% of a layer's misses on the GPU a layer's misses took about
+# 300 us where the CPU alone took about 400, with 50% about 450: the link moved 27-30 GB/s of its 55 beside the CPU.
+LINK_SPLIT_READ_SHARE = 0.5
+# The split is chosen only where the misses would run on the CPU and it takes at least this share off their time
+# there (on the 30B at 76% hits, misses on the GPU, no share of the split changed the rate).
+SPLIT_MIN_GAIN = 0.10
 
 
 @dataclass
@@ -436,15 +444,22 @@ class MissPlacement:
     while f < crossover = CPU layer / (its routed bytes x (1/link - 1/host)):
     `gpu` when that holds for any f, `cpu` when it holds for almost none, else `auto` with the crossover as
     --moe-cache-miss-auto-pct (the library moves each layer by its own recent misses)."""
-    mode: str                   # "cpu", "gpu" or "auto"
+    mode: str                   # "cpu", "gpu", "auto" or "split"
     auto_pct: int | None        # auto's threshold
     crossover: float | None     # the share of misses below which the GPU is faster (None: at any share)
     why: str
+    split_pct: int | None = None  # split: the share of a layer's misses on the GPU
 
     def args(self) -> list[str]:
         if self.mode == "auto":
             return ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", str(self.auto_pct)]
+        if self.mode == "split":
+            return ["--moe-cache-miss", "split", "--moe-cache-miss-split-pct", str(self.split_pct)]
         return ["--moe-cache-miss", self.mode] if self.mode != "cpu" else []
+
+    def on_cpu_at(self, miss_share: float) -> bool:
+        """Whether a layer with this share of its routed experts missing runs its misses on the CPU."""
+        return self.mode == "cpu" or (self.mode == "auto" and self.crossover is not None and miss_share > self.crossover)
 
 
 def miss_placement(bw: "Bandwidth | None", layer_routed_bytes: float, layer_s: float = CPU_LAYER_S) -> MissPlacement:
@@ -476,15 +491,38 @@ def split_share(bw: "Bandwidth", missed_bytes: float, layer_s: float = CPU_LAYER
     """--moe-cache-miss split by the cost model: the share s of a layer's missed bytes (`missed_bytes` a step) on
     the GPU over the link, the rest on the CPU at the same time (a CPU layer plus its read), so the layer's misses
     take max(s M / link, CPU layer + (1 - s) M / cpu); the two are equal at s = (CPU layer + M / cpu) /
-    (M / link + M / cpu), capped at 1. Returns (s, the modelled seconds). On an H100 the split gained less than
-    this says (both halves read host memory, which the model leaves out: 2026-12-07-misses-split-h100-analysis.md),
-    so the plan does not choose it; it says what the model expects of it."""
-    link, cpu = bw.host_to_device * LINK_EXPERT_READ_SHARE, bw.cpu_read()
+    (M / link + M / cpu), capped at 1. The link beside the CPU moves LINK_SPLIT_READ_SHARE of its rate (both read
+    host memory). Returns (s, the modelled seconds)."""
+    link, cpu = bw.host_to_device * LINK_SPLIT_READ_SHARE, bw.cpu_read()
     if missed_bytes <= 0:
         return 0.0, 0.0
     on_link, on_cpu = missed_bytes / link, missed_bytes / cpu
     s = min(1.0, (layer_s + on_cpu) / (on_link + on_cpu))
     return s, max(s * on_link, layer_s + (1.0 - s) * on_cpu if s < 1.0 else 0.0)
+
+
+def split_placement(bw: "Bandwidth | None", base: MissPlacement, layer_routed_bytes: float,
+                    hit: float) -> MissPlacement | None:
+    """--moe-cache-miss split where the cost model expects it to pay: a layer whose misses (the share 1 - `hit` of
+    its routed experts' bytes `layer_routed_bytes`) would run on the CPU by `base`, and the split takes at least
+    SPLIT_MIN_GAIN off their time there. None: keep `base`."""
+    if bw is None or not bw.usable() or not base.on_cpu_at(1.0 - hit):
+        return None
+    missed = layer_routed_bytes * (1.0 - hit)
+    if missed <= 0:
+        return None
+    s, t = split_share(bw, missed)
+    cpu = CPU_LAYER_S + missed / bw.cpu_read()
+    pct = int(round(100 * s))
+    if not 0 < pct < 100 or t > (1.0 - SPLIT_MIN_GAIN) * cpu:
+        return None
+    return MissPlacement("split", None, base.crossover,
+                         f"a layer's misses split: its most-routed missed experts, {pct}% of its misses, on the GPU "
+                         f"over the link, the others on the CPU at once: {t * 1e6:.0f} us a layer by the model at "
+                         f"{100 * hit:.0f}% hits against {cpu * 1e6:.0f} on the CPU alone (link "
+                         f"{bw.host_to_device / 1e9:.1f} GB/s, {LINK_SPLIT_READ_SHARE:.0%} of it beside the CPU; the "
+                         f"CPU's experts {bw.cpu_read() / 1e9:.1f} GB/s, a CPU layer {CPU_LAYER_S * 1e6:.0f} us)",
+                         split_pct=pct)
 
 
 @dataclass
@@ -507,9 +545,11 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
     dense = sum(d.model for d in plan.devices if d.counts_model)
     h, source = plan.hit_rate()
     miss = plan.miss()
-    gpu = miss.mode == "gpu" or (miss.mode == "auto" and miss.crossover is not None and 1 - h <= miss.crossover)
-    t_decode = (dense / bw.device + h * expert_token / bw.device
-                + (1 - h) * expert_token / (bw.host_to_device if gpu else bw.cpu_read()))
+    if miss.mode == "split":  # both halves read host memory at once
+        miss_rate = min(bw.host_read, bw.host_to_device + bw.cpu_read())
+    else:
+        miss_rate = bw.cpu_read() if miss.on_cpu_at(1 - h) else bw.host_to_device
+    t_decode = dense / bw.device + h * expert_token / bw.device + (1 - h) * expert_token / miss_rate
     t_ubatch = plan.host_model / bw.host_to_device
     return Rates(h, source, 1.0 / t_decode, plan.request.ubatch / t_ubatch,
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
@@ -692,26 +732,31 @@ class Plan:
         cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
         if not cached:
             return MissPlacement("cpu", None, None, "no cached layer")
-        layer_expert = max(d.slot / d.n_moe_layers for d in cached)
-        return miss_placement(self.request.bandwidth, self.n_expert_used * layer_expert)
+        layer_routed = self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached)
+        base = miss_placement(self.request.bandwidth, layer_routed)
+        h, _ = self.hit_rate()
+        return split_placement(self.request.bandwidth, base, layer_routed, h) or base
 
     def split_text(self) -> str | None:
-        """What the cost model expects of --moe-cache-miss split at the plan's hit rate (a line of the rendered plan;
-        None without bandwidths or a cache)."""
+        """What the cost model expects of --moe-cache-miss split at the plan's hit rate where the plan did not choose
+        it (a line of the rendered plan; None without bandwidths or a cache, or where the split is the plan's)."""
         bw = self.request.bandwidth
         cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
         if bw is None or not bw.usable() or not cached or self.all_in_vram:
             return None
+        miss = self.miss()
         h, _ = self.hit_rate()
         missed = self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached) * (1.0 - h)
-        if missed <= 0:
+        if missed <= 0 or miss.mode == "split":
             return None
         s, t = split_share(bw, missed)
         cpu = CPU_LAYER_S + missed / bw.cpu_read()
         gpu = missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE)
+        why = ("the misses run on the GPU at this hit rate" if not miss.on_cpu_at(1.0 - h) else
+               f"it takes less than {SPLIT_MIN_GAIN:.0%} off the CPU's time")
         return (f"misses split (--moe-cache-miss split --moe-cache-miss-split-pct {round(100 * s)}), by the model at "
                 f"{100 * h:.0f}% hits: {t * 1e6:.0f} us a cached layer, against {cpu * 1e6:.0f} on the CPU and "
-                f"{gpu * 1e6:.0f} on the GPU (not chosen: on an H100 it gained less than this model says)")
+                f"{gpu * 1e6:.0f} on the GPU (not chosen: {why})")
 
     def args(self) -> list[str]:
         if self.all_in_vram:
@@ -771,7 +816,8 @@ class Plan:
             what.append("no hot-expert cache (no room for a slot)")
         if self.slots:
             miss = self.miss()
-            what.append({"cpu": "misses on the CPU", "gpu": "misses on the GPU"}.get(
+            what.append({"cpu": "misses on the CPU", "gpu": "misses on the GPU",
+                         "split": f"misses split, {miss.split_pct}% on the GPU and the rest on the CPU"}.get(
                 miss.mode, f"misses on the GPU up to {miss.auto_pct}% per layer"))
         if self.prefill_ubatch:
             what.append(f"prompts at -ub {self.prefill_ubatch} (prefill-phase swap)")

@@ -331,12 +331,13 @@ def test_the_python_api_loads_what_the_server_plans(tiny_model, budget, monkeypa
         moecache.load(tiny_model, plan="yes")
 
 
-@pytest.mark.parametrize("miss", [["--moe-cache-miss", "gpu"], ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", "30"]])
+@pytest.mark.parametrize("miss", [["--moe-cache-miss", "gpu"], ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", "30"],
+                                  ["--moe-cache-miss", "split", "--moe-cache-miss-split-pct", "31"]])
 def test_the_planned_combination_with_the_misses_on_the_device(tiny_model, budget, tmp_path, miss):
     """What the plan gives a GPU machine now: the cache with warm prompts, the prefill swap, the expert profile
-    and the misses placed by the cost model (gpu, or auto with its crossover), together. On the host test
-    device the misses on the device compute what the CPU's would, so a prompt that swaps and the decode after it
-    give the tokens and log-probabilities of the same plan with the misses on the CPU; so does a restart that
+    and the misses placed by the cost model (gpu, auto with its crossover, or split at its share), together. On the
+    host test device the misses on the device compute what the CPU's would, so a prompt that swaps and the decode
+    after it give the tokens and log-probabilities of the same plan with the misses on the CPU; so does a restart that
     reads the profile the first start wrote."""
     from moe_cache_checks import logprobs
 
@@ -357,7 +358,7 @@ def test_the_planned_combination_with_the_misses_on_the_device(tiny_model, budge
     ref, _, _ = serve([])
     outs, st, log = serve([*miss, "--moe-cache-profile", str(profile)])
     assert outs[0]["timings"].get("prefill_ubatch") == plan.prefill_ubatch and st["warm_prompts"] and st["profile"]
-    assert st["total"]["n_miss_device"] > 0 if miss[1] == "gpu" else st["miss"] == "auto", st["total"]
+    assert st["total"]["n_miss_device"] > 0 if miss[1] == "gpu" else st["miss"] == miss[1], st["total"]
     again, st2, log2 = serve([*miss, "--moe-cache-profile", str(profile)])
     assert st2["profile_uploads"] > 0 and "is ignored" not in log2
     for a, b, c in zip(ref, outs, again):

@@ -248,6 +248,19 @@ def test_the_users_flags_and_environment_win_over_the_plan():
     assert server.planned_args(plan, [], {}) == plan
 
 
+def test_your_miss_placement_wins_over_the_plans_by_flag_or_variable():
+    # LLAMA_ARG_MOE_CACHE_MISS=cpu is yours as much as --moe-cache-miss cpu: the plan's split (a flag, which would
+    # beat the variable in llama-server) must not be added over it; the same for its shares
+    plan = ["--moe-cache-slots", "40", "--moe-cache-miss", "split", "--moe-cache-miss-split-pct", "31"]
+    assert server.planned_args(plan, [], {}) == plan
+    for rest, env in ((["--moe-cache-miss", "cpu"], {}), ([], {"LLAMA_ARG_MOE_CACHE_MISS": "cpu"})):
+        assert "--moe-cache-miss" not in server.planned_args(plan, rest, env)
+    got = server.planned_args(plan, [], {"LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT": "60"})
+    assert "--moe-cache-miss-split-pct" not in got and got[got.index("--moe-cache-miss") + 1] == "split"
+    auto = ["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", "40"]
+    assert server.planned_args(auto, [], {"LLAMA_ARG_MOE_CACHE_MISS_AUTO_PCT": "10"}) == ["--moe-cache-miss", "auto"]
+
+
 def test_experts_on_the_cpu_get_its_fast_switches_unless_you_set_them(fake_probe):
     # the misses run on the CPU: the plan turns on huge pages, the flat split, the four-row dots and the overlap
     # (bit-identical, 1.1-1.3x decode of the cache's misses on the H200); each stays yours to set
@@ -641,21 +654,53 @@ def test_the_placement_probes_the_whole_model_once(fake_probe):
 
 
 def test_the_split_of_the_misses_balances_the_link_against_the_cpu():
-    # gpt-oss's layers on the H100 machine: 4 routed MXFP4 experts of 13 MB at 49% hits, link 55 GB/s, the
-    # CPU's experts 76 GB/s: the two parts are equal near 45% on the GPU, and faster than either alone
+    # gpt-oss's layers on the H100 machine: 4 routed MXFP4 experts of 13 MB at 49% hits, link 55 GB/s (half of it
+    # beside the CPU), the CPU's experts 76 GB/s: the two parts are equal near 30% on the GPU (what the H100 run
+    # measured best), and faster than either alone
     bw = planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=76e9)
     missed = 4 * 13e6 * 0.51
     s, t = planmod.split_share(bw, missed)
-    link = missed / (55e9 * planmod.LINK_EXPERT_READ_SHARE)
+    beside = missed / (55e9 * planmod.LINK_SPLIT_READ_SHARE)
+    alone = missed / (55e9 * planmod.LINK_EXPERT_READ_SHARE)
     cpu = planmod.CPU_LAYER_S + missed / 76e9
-    assert 0.40 < s < 0.50
-    assert t == pytest.approx(s * link) == pytest.approx(planmod.CPU_LAYER_S + (1 - s) * missed / 76e9)
-    assert t < min(link, cpu)
+    assert 0.25 < s < 0.35
+    assert t == pytest.approx(s * beside) == pytest.approx(planmod.CPU_LAYER_S + (1 - s) * missed / 76e9)
+    assert t < min(alone, cpu)
     # misses that cross the link faster than a CPU layer's fixed cost: every miss on the GPU, the link's time
     few = 1e6
     s, t = planmod.split_share(bw, few)
-    assert s == 1.0 and t == pytest.approx(few / (55e9 * planmod.LINK_EXPERT_READ_SHARE))
+    assert s == 1.0 and t == pytest.approx(few / (55e9 * planmod.LINK_SPLIT_READ_SHARE))
     assert planmod.split_share(bw, 0.0) == (0.0, 0.0)
+
+
+def test_the_split_is_chosen_only_where_the_misses_would_run_on_the_cpu_and_it_pays():
+    bw = planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=76e9)
+    gpt_oss = 4 * 13e6                               # a layer's routed experts, bytes
+    base = planmod.miss_placement(bw, gpt_oss)
+    # at 49% hits the misses would run on the CPU: the split, at the model's share
+    assert base.on_cpu_at(0.51)
+    split = planmod.split_placement(bw, base, gpt_oss, 0.49)
+    assert split is not None and split.mode == "split"
+    assert split.split_pct == round(100 * planmod.split_share(bw, gpt_oss * 0.51)[0])
+    assert split.args() == ["--moe-cache-miss", "split", "--moe-cache-miss-split-pct", str(split.split_pct)]
+    assert f"{split.split_pct}% of its misses" in split.why
+    # at 95% hits the same layer's misses run on the GPU: no split (the H100's 30B at 76% hits gained nothing)
+    assert not base.on_cpu_at(0.05)
+    assert planmod.split_placement(bw, base, gpt_oss, 0.95) is None
+    # misses on the CPU, but so few that the link takes them all faster than a CPU layer: not a split (the
+    # share would be 100%)
+    cpu_only = planmod.MissPlacement("cpu", None, None, "test")
+    tiny = 4 * 0.2e6
+    assert planmod.split_share(bw, tiny * 0.5)[0] == 1.0
+    assert planmod.split_placement(bw, cpu_only, tiny, 0.5) is None
+    # a CPU so fast that the link beside it takes less than 10% off (the split's time over the CPU's alone is
+    # cpu / (cpu + link beside it)): none
+    fast_cpu = planmod.Bandwidth(400e9, 3000e9, 55e9, "test", cpu_experts=300e9)
+    s, t = planmod.split_share(fast_cpu, gpt_oss * 0.51)
+    assert 0 < s < 1 and t > (1 - planmod.SPLIT_MIN_GAIN) * (planmod.CPU_LAYER_S + gpt_oss * 0.51 / 300e9)
+    assert planmod.split_placement(fast_cpu, cpu_only, gpt_oss, 0.49) is None
+    # no bandwidths: none
+    assert planmod.split_placement(None, cpu_only, gpt_oss, 0.49) is None
 
 
 def test_the_rendered_plan_says_what_the_model_expects_of_the_split(fake_probe):
@@ -664,5 +709,28 @@ def test_the_rendered_plan_says_what_the_model_expects_of_the_split(fake_probe):
                           bandwidth=planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=80e9)))
     line = next(x for x in p.render().splitlines() if x.startswith("misses split"))
     assert "--moe-cache-miss-split-pct" in line and "not chosen" in line
-    assert "split" not in " ".join(p.args())  # the plan does not choose it
+    assert "split" not in " ".join(p.args())  # the plan does not choose it here
     assert not any(x.startswith("misses split") for x in make_plan(Request(model, gpu_mem_gib=[16.0])).render().splitlines())
+
+
+def test_a_plan_whose_misses_would_run_on_the_cpu_splits_them(fake_probe):
+    # a slow link (25 GB/s) makes the CPU take the misses at the expected hit rate; beside it the link still takes
+    # more than 10% off their time: the plan splits them, at the model's share, and says so
+    model = fake_probe(answer())
+    bw = planmod.Bandwidth(200e9, 3000e9, 25e9, "test", cpu_experts=76e9)
+    p = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False, bandwidth=bw))
+    miss = p.miss()
+    assert miss.mode == "split" and 0 < miss.split_pct < 100
+    args = p.args()
+    assert args[args.index("--moe-cache-miss") + 1] == "split"
+    assert args[args.index("--moe-cache-miss-split-pct") + 1] == str(miss.split_pct)
+    what, why = p.summary()
+    assert f"misses split, {miss.split_pct}% on the GPU" in what and "misses split" in why
+    lines = p.render().splitlines()
+    assert any(x.startswith("misses: a layer's misses split") for x in lines)
+    assert not any(x.startswith("misses split (") for x in lines)  # the not-chosen line is for other plans
+    assert p.to_json()["miss"]["split_pct"] == miss.split_pct
+    # a fast link: the misses go to the GPU and the split is not chosen
+    fast = make_plan(Request(model, gpu_mem_gib=[16.0], swap=False,
+                             bandwidth=planmod.Bandwidth(200e9, 3000e9, 55e9, "test", cpu_experts=76e9)))
+    assert fast.miss().mode != "split" and "split" not in " ".join(fast.args())
