@@ -640,9 +640,16 @@ class Residency:
 def layer_step_s(bw: Bandwidth, expert_bytes: float, experts: float, hit: float) -> float:
     """One decode step of a layer whose routed experts are in host memory: `experts` routed (distinct, over the
     step's tokens), `hit` of them in slots; the misses where they cost less: the CPU (a CPU layer plus their
-    read) or the GPU (their read over the link)."""
+    read) or the GPU (their read over the link), and where the CPU is the cheaper, split between the two when
+    that takes SPLIT_MIN_GAIN off (as the plan then places them: split_placement)."""
     missed = experts * (1.0 - hit) * expert_bytes
-    return min(CPU_LAYER_S + missed / bw.cpu_read(), missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE))
+    cpu = CPU_LAYER_S + missed / bw.cpu_read()
+    gpu = missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE)
+    if cpu < gpu:
+        s, t = split_share(bw, missed)
+        if 0 < s < 1 and t <= (1.0 - SPLIT_MIN_GAIN) * cpu:
+            return t
+    return min(cpu, gpu)
 
 
 def routed_per_step(n_expert: int, n_used: int, users: int) -> float:

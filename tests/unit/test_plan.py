@@ -701,6 +701,14 @@ def test_the_split_is_chosen_only_where_the_misses_would_run_on_the_cpu_and_it_p
     assert planmod.split_placement(fast_cpu, cpu_only, gpt_oss, 0.49) is None
     # no bandwidths: none
     assert planmod.split_placement(None, cpu_only, gpt_oss, 0.49) is None
+    # the per-layer placement weighs a cached layer at the split's time where the plan would split it, else at the
+    # cheaper of the CPU and the link alone
+    expert = gpt_oss / 4
+    assert planmod.layer_step_s(bw, expert, 4, 0.49) == pytest.approx(planmod.split_share(bw, gpt_oss * 0.51)[1])
+    assert planmod.layer_step_s(bw, expert, 4, 0.95) == pytest.approx(
+        gpt_oss * 0.05 / (55e9 * planmod.LINK_EXPERT_READ_SHARE))
+    assert planmod.layer_step_s(fast_cpu, expert, 4, 0.49) == pytest.approx(
+        planmod.CPU_LAYER_S + gpt_oss * 0.51 / 300e9)
 
 
 def test_the_rendered_plan_says_what_the_model_expects_of_the_split(fake_probe):
