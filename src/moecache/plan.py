@@ -501,6 +501,17 @@ def split_share(bw: "Bandwidth", missed_bytes: float, layer_s: float = CPU_LAYER
     return s, max(s * on_link, layer_s + (1.0 - s) * on_cpu if s < 1.0 else 0.0)
 
 
+def split_if_it_pays(bw: "Bandwidth", missed_bytes: float) -> tuple[float, float] | None:
+    """split_share's (share, seconds) where the split of these missed bytes takes at least SPLIT_MIN_GAIN off the
+    CPU's time for them (and leaves each side a share), else None."""
+    if missed_bytes <= 0:
+        return None
+    s, t = split_share(bw, missed_bytes)
+    if 0 < round(100 * s) < 100 and t <= (1.0 - SPLIT_MIN_GAIN) * (CPU_LAYER_S + missed_bytes / bw.cpu_read()):
+        return s, t
+    return None
+
+
 def split_placement(bw: "Bandwidth | None", base: MissPlacement, layer_routed_bytes: float,
                     hit: float) -> MissPlacement | None:
     """--moe-cache-miss split where the cost model expects it to pay: a layer whose misses (the share 1 - `hit` of
@@ -509,13 +520,12 @@ def split_placement(bw: "Bandwidth | None", base: MissPlacement, layer_routed_by
     if bw is None or not bw.usable() or not base.on_cpu_at(1.0 - hit):
         return None
     missed = layer_routed_bytes * (1.0 - hit)
-    if missed <= 0:
+    pays = split_if_it_pays(bw, missed)
+    if pays is None:
         return None
-    s, t = split_share(bw, missed)
+    s, t = pays
     cpu = CPU_LAYER_S + missed / bw.cpu_read()
     pct = int(round(100 * s))
-    if not 0 < pct < 100 or t > (1.0 - SPLIT_MIN_GAIN) * cpu:
-        return None
     return MissPlacement("split", None, base.crossover,
                          f"a layer's misses split: its most-routed missed experts, {pct}% of its misses, on the GPU "
                          f"over the link, the others on the CPU at once: {t * 1e6:.0f} us a layer by the model at "
@@ -645,11 +655,8 @@ def layer_step_s(bw: Bandwidth, expert_bytes: float, experts: float, hit: float)
     missed = experts * (1.0 - hit) * expert_bytes
     cpu = CPU_LAYER_S + missed / bw.cpu_read()
     gpu = missed / (bw.host_to_device * LINK_EXPERT_READ_SHARE)
-    if cpu < gpu:
-        s, t = split_share(bw, missed)
-        if 0 < s < 1 and t <= (1.0 - SPLIT_MIN_GAIN) * cpu:
-            return t
-    return min(cpu, gpu)
+    pays = split_if_it_pays(bw, missed) if cpu < gpu else None
+    return pays[1] if pays else min(cpu, gpu)
 
 
 def routed_per_step(n_expert: int, n_used: int, users: int) -> float:
@@ -736,24 +743,28 @@ class Plan:
         """Where the cache's misses run (the cost model of MissPlacement, from the request's bandwidths)."""
         if self.all_in_vram or not self.slots:
             return MissPlacement("cpu", None, None, "no cache")
-        cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
-        if not cached:
+        layer_routed = self._layer_routed_bytes()
+        if layer_routed is None:
             return MissPlacement("cpu", None, None, "no cached layer")
-        layer_routed = self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached)
         base = miss_placement(self.request.bandwidth, layer_routed)
         h, _ = self.hit_rate()
         return split_placement(self.request.bandwidth, base, layer_routed, h) or base
+
+    def _layer_routed_bytes(self) -> float | None:
+        """A token's routed experts of one cached layer, in bytes (the largest over the GPUs); None: no cached layer."""
+        cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
+        return self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached) if cached else None
 
     def split_text(self) -> str | None:
         """What the cost model expects of --moe-cache-miss split at the plan's hit rate where the plan did not choose
         it (a line of the rendered plan; None without bandwidths or a cache, or where the split is the plan's)."""
         bw = self.request.bandwidth
-        cached = [d for d in self.devices if d.slot > 0 and d.n_moe_layers > 0]
-        if bw is None or not bw.usable() or not cached or self.all_in_vram:
+        layer_routed = self._layer_routed_bytes()
+        if bw is None or not bw.usable() or layer_routed is None or self.all_in_vram:
             return None
         miss = self.miss()
         h, _ = self.hit_rate()
-        missed = self.n_expert_used * max(d.slot / d.n_moe_layers for d in cached) * (1.0 - h)
+        missed = layer_routed * (1.0 - h)
         if missed <= 0 or miss.mode == "split":
             return None
         s, t = split_share(bw, missed)
