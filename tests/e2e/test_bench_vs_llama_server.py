@@ -26,6 +26,7 @@ warmup = 0
 prompts_dir = "{prompts}"
 server_args = ["-t", "2", "-c", "512", "-np", "2"]
 env = {{ {host} = "1", {mib} = "{budget}" }}
+targets = {{ decode = 1.5, decode_floor = 1.0, first_over_warm = 0.9 }}
 
 [[prompts]]
 name = "prose"
@@ -80,5 +81,12 @@ def test_bench_launches_moecache_server_and_restarts_it(tmp_path, tiny_model, ll
     assert "### Against `llama-server`" in md
     assert "Arm `moecache-server` started as moecache-server, which said:" in md
     assert "| prose 48 | moecache-server |" in md
-    # the same table on the terminal
+    # the scenario's targets, each with the moecache-server arm's worst case (met or not: the report's logic is
+    # the unit tests'; here the table is made from a real run)
+    assert "### Targets" in md
+    targets = md[md.index("### Targets"):]
+    row = next(line for line in targets.splitlines() if line.startswith("| moecache-server | "))
+    assert len([c for c in row.strip("|").split("|")]) == 4, row
+    # the same tables on the terminal
     assert "against the baseline arm 'llama-server'" in r.stdout and "| prose 48 | moecache-server |" in r.stdout
+    assert "the scenario's targets" in r.stdout

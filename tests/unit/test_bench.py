@@ -110,6 +110,9 @@ def test_good_scenario(tmp_path):
      "keep one of them"),
     (lambda s: s.replace('lengths = [16, 32]', 'lengths = [16, 32]\ndepths = [64]')
               .replace('name = "small"', 'name = "small"\nrestart = true'), "must have no depth"),
+    (lambda s: s.replace('repetitions = 3', 'repetitions = 3\ntargets = { decod = 1.5 }'), "unknown key 'decod' in targets"),
+    (lambda s: s.replace('repetitions = 3', 'repetitions = 3\ntargets = { decode = 0 }'), "targets.decode must be a number above 0"),
+    (lambda s: s.replace('repetitions = 3', 'repetitions = 3\ntargets = 1.5'), "targets must be a table"),
 ])
 def test_bad_scenarios_give_clear_errors(tmp_path, edit, message):
     path = write_scenario(tmp_path, edit(GOOD))
@@ -362,6 +365,34 @@ def test_the_comparison_gives_each_arms_first_request_against_its_own_warm_rate(
     assert cell["first request decode t/s"] == "90.0 (0.90x)" and cell["warm decode t/s"] == "180 (1.80x)"
     assert cell["first / warm"] == "0.50"
     assert "`first / warm`" in report.render_markdown(run)
+
+
+def test_the_targets_name_the_worst_case_of_each_moecache_server_arm():
+    run = fake_run()
+    run["arms"][1]["launcher"] = "moecache-server"
+    run["results"].insert(2, {**run["results"][1], "prompt": "prose"})
+    run["results"].insert(2, {**run["results"][0], "prompt": "prose"})
+    # code: first 1.8x, warm 2.0x (first / warm 0.90); prose: first 0.9x, warm 1.2x (first / warm 0.75)
+    for r, first, warm in zip(run["results"][:4], (100.0, 180.0, 100.0, 90.0), (100.0, 200.0, 100.0, 120.0)):
+        r["first_decode_tps"] = stats.summarize([first])
+        r["warm_decode_tps"] = stats.summarize([warm, warm])
+    assert report.target_lines(run) == []  # no targets in the scenario
+    run["scenario"]["targets"] = {"decode": 1.5, "decode_floor": 1.0, "first_over_warm": 0.9, "prefill": 3.0,
+                                  "prefill_min_tokens": 2048}
+    lines = report.target_lines(run)
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head == ["arm", "warm decode >= 1.5x", "decode never < 1x", "first / warm >= 0.9",
+                    "prefill >= 3x (2048+ tokens)"]
+    cells = dict(zip(head, [c.strip() for c in lines[2].strip("|").split("|")]))
+    assert cells["arm"] == "fast" and len(lines) == 3  # the baseline and the llama-server arms are not checked
+    assert cells["warm decode >= 1.5x"] == "**no** (1.20: prose 2048)"
+    assert cells["decode never < 1x"] == "**no** (0.90: prose 2048, first)"
+    assert cells["first / warm >= 0.9"] == "**no** (0.75: prose 2048)"
+    assert cells["prefill >= 3x (2048+ tokens)"] == "**no** (2.00: code 2048)"
+    run["scenario"]["targets"] = {"decode": 1.1, "prefill": 1.5, "prefill_min_tokens": 4096}
+    cells = [c.strip() for c in report.target_lines(run)[2].strip("|").split("|")]
+    assert cells[1:] == ["yes (worst 1.20)", "-"]  # no case of 4096 tokens or more: nothing to check
+    assert "### Targets" in report.render_markdown(run)
 
 
 def test_git_commit_of_this_checkout():

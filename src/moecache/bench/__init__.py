@@ -152,11 +152,15 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     if args.dry_run:
         return 0
-    from .report import comparison_lines
+    from .report import comparison_lines, target_lines
 
     table = comparison_lines(run)
     if table:
         # the ratios users ask for, on the terminal too (the result file has them with the rest)
         print(f"against the baseline arm '{run['baseline']}' (prefill, TTFT: speed-ups; decode t/s (ratio)):")
         print("\n".join(table))
+        targets = target_lines(run)
+        if targets:
+            print("the scenario's targets (the worst case of each arm):")
+            print("\n".join(targets))
     return 0 if run.get("ok") else 1

@@ -537,46 +537,102 @@ def _over(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _comparison_rows(run: dict) -> list[dict]:
+    """Each non-baseline arm's row of each case beside the baseline's row of the same case: the arm, the case's
+    label, the row, the baseline's row (None where it has none), and the decode medians of both."""
+    base = run.get("baseline")
+    rows = {(r["arm"], r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)): r
+            for r in run.get("results", [])}
+    med = lambda r, k: ((r or {}).get(k) or {}).get("median")  # noqa: E731
+    out = []
+    for (arm, prompt, length, depth, users), r in rows.items():
+        if arm == base:
+            continue
+        b = rows.get((base, prompt, length, depth, users))
+        out.append({"arm": arm, "key": (prompt, length, depth, users), "row": r, "base": b,
+                    "case": f"{prompt} {_length_short(r)}" + (f" @{depth}" if depth else "")
+                            + (f", {users} users" if users > 1 else ""),
+                    "ok": not (r.get("error") or b is None or b.get("error")),
+                    "first": med(r, "first_decode_tps"), "bfirst": med(b, "first_decode_tps"),
+                    "warm": med(r, "warm_decode_tps"), "bwarm": med(b, "warm_decode_tps")})
+    return out
+
+
 def comparison_lines(run: dict) -> list[str]:
     """The comparison users make, one row per arm and case against the baseline's row of the same case:
     prefill and TTFT as speed-ups, the decode of the first request (the server's first where warmup = 0) and
     of the later ones (warm), the arm's own first request over its warm rate (how warm it starts), and the
     first request after a restart where the arm had one. [] when the run has no other arm than its baseline."""
     base = run.get("baseline")
-    rows = {(r["arm"], r["prompt"], r["length"], r.get("depth", 0), r.get("users", 1)): r
-            for r in run.get("results", [])}
-    others = [a for a in run.get("arms", []) if a["name"] != base]
-    if not others:
+    if not [a for a in run.get("arms", []) if a["name"] != base]:
         return []
     restarts = {a["name"]: a["restart"] for a in run.get("arms", []) if a.get("restart")}
-    med = lambda r, k: ((r or {}).get(k) or {}).get("median")  # noqa: E731
     lines = ["| case | arm | prefill | TTFT | first request decode t/s | warm decode t/s | first / warm "
              "| after a restart t/s | hits |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     r0 = run["results"][0] if run["results"] else {}
     first_case = (r0.get("prompt"), r0.get("length"), r0.get("depth", 0), 1)  # the case a restart asks
-    for (arm, prompt, length, depth, users), r in rows.items():
-        if arm == base:
-            continue
-        b = rows.get((base, prompt, length, depth, users))
-        case = f"{prompt} {_length_short(r)}" + (f" @{depth}" if depth else "") + (f", {users} users" if users > 1 else "")
-        if r.get("error") or b is None or b.get("error"):
-            lines.append(f"| {_md_cell(case)} | {_md_cell(arm)} | - | - | - | - | - | - | - |")
+    for c in _comparison_rows(run):
+        arm, r = c["arm"], c["row"]
+        if not c["ok"]:
+            lines.append(f"| {_md_cell(c['case'])} | {_md_cell(arm)} | - | - | - | - | - | - | - |")
             continue
         ratios = r.get("ratios") or {}
-        first, bfirst = med(r, "first_decode_tps"), med(b, "first_decode_tps")
-        warm, bwarm = med(r, "warm_decode_tps"), med(b, "warm_decode_tps")
+        first, warm = c["first"], c["warm"]
         restart = "-"
         rs = restarts.get(arm)
-        if rs and (prompt, length, depth, users) == first_case:
+        if rs and c["key"] == first_case:
             brs = restarts.get(base) or {}
             restart = ("failed" if rs.get("error") else
-                       f"{_fmt_num(rs.get('decode_tps'))} ({_over(rs.get('decode_tps'), brs.get('decode_tps') or bwarm)})")
+                       f"{_fmt_num(rs.get('decode_tps'))} ({_over(rs.get('decode_tps'), brs.get('decode_tps') or c['bwarm'])})")
         lines.append(
-            f"| {_md_cell(case)} | {_md_cell(arm)} | {_fmt_ratio(ratios.get('prefill_tps'))} "
-            f"| {_fmt_ratio(ratios.get('ttft_ms'))} | {_fmt_num(first)} ({_over(first, bfirst)}) "
-            f"| {_fmt_num(warm)} ({_over(warm, bwarm)}) | {f'{first / warm:.2f}' if first and warm else '-'} | {restart} "
+            f"| {_md_cell(c['case'])} | {_md_cell(arm)} | {_fmt_ratio(ratios.get('prefill_tps'))} "
+            f"| {_fmt_ratio(ratios.get('ttft_ms'))} | {_fmt_num(first)} ({_over(first, c['bfirst'])}) "
+            f"| {_fmt_num(warm)} ({_over(warm, c['bwarm'])}) | {f'{first / warm:.2f}' if first and warm else '-'} | {restart} "
             f"| {_fmt_rate((r.get('moe_cache') or {}).get('hit_rate'))} |")
+    return lines
+
+
+def target_lines(run: dict) -> list[str]:
+    """The scenario's targets (its `targets` table) checked for every moecache-server arm: per target, whether the
+    worst case meets it, with that case's value. [] without targets or such arms."""
+    t = (run.get("scenario") or {}).get("targets") or {}
+    arms = [a["name"] for a in run.get("arms", []) if a.get("launcher") == "moecache-server" and not a.get("baseline")]
+    if not t or not arms:
+        return []
+    checks = []  # (heading, key, the case values of one arm -> [(value, case)], at least)
+    if "decode" in t:
+        checks.append((f"warm decode >= {t['decode']:g}x", lambda cs: [(c["warm"] / c["bwarm"], c["case"])
+                                                                      for c in cs if c["warm"] and c["bwarm"]], t["decode"]))
+    if "decode_floor" in t:
+        checks.append((f"decode never < {t['decode_floor']:g}x",
+                       lambda cs: [(c[k] / c["b" + k], f"{c['case']}, {k}") for c in cs for k in ("first", "warm")
+                                   if c[k] and c["b" + k]], t["decode_floor"]))
+    if "first_over_warm" in t:
+        checks.append((f"first / warm >= {t['first_over_warm']:g}",
+                       lambda cs: [(c["first"] / c["warm"], c["case"]) for c in cs if c["first"] and c["warm"]],
+                       t["first_over_warm"]))
+    if "prefill" in t:
+        least = int(t.get("prefill_min_tokens", 0))
+        checks.append((f"prefill >= {t['prefill']:g}x" + (f" ({least}+ tokens)" if least else ""),
+                       lambda cs: [(((c["row"].get("ratios") or {}).get("prefill_tps")), c["case"]) for c in cs
+                                   if (c["row"].get("ratios") or {}).get("prefill_tps")
+                                   and (c["row"].get("length") or 0) >= least], t["prefill"]))
+    if not checks:
+        return []
+    rows = _comparison_rows(run)
+    lines = ["| arm | " + " | ".join(h for h, _, _ in checks) + " |", "| --- |" + " --- |" * len(checks)]
+    for arm in arms:
+        cases = [c for c in rows if c["arm"] == arm and c["ok"]]
+        cells = []
+        for _, values, at_least in checks:
+            got = values(cases)
+            if not got:
+                cells.append("-")
+                continue
+            worst, where = min(got, key=lambda v: v[0])
+            cells.append(f"yes (worst {worst:.2f})" if worst >= at_least else f"**no** ({worst:.2f}: {where})")
+        lines.append(f"| {_md_cell(arm)} | " + " | ".join(_md_cell(c) for c in cells) + " |")
     return lines
 
 
@@ -710,6 +766,17 @@ def render_markdown(run: dict) -> str:
             *comparison,
             "",
         ]
+        targets = target_lines(run)
+        if targets:
+            lines += [
+                "### Targets",
+                "",
+                "The scenario's targets (`targets` in its file), checked for every moecache-server arm over the "
+                "cases above: each cell gives the worst case's value, and where it misses the target, which case.",
+                "",
+                *targets,
+                "",
+            ]
     if concurrent:
         lines += [
             "With `users` N > 1 every repetition sent N identical requests at the same moment to the same "

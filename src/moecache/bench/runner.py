@@ -942,7 +942,7 @@ def run_scenario(sc: Scenario, out_dir: Path | None, dry_run: bool = False, out:
             "max_tokens": sc.max_tokens, "repetitions": sc.repetitions, "warmup": sc.warmup,
             "users": sc.users, "ignore_eos": sc.ignore_eos, "ttft": sc.ttft, "server_args": sc.server_args,
             "env": sc.env, "vram_budget_gib": sc.vram_budget_gib, "depth_fill": sc.depth_fill,
-            "decoders": sc.decoders, "decoder_max_tokens": sc.decoder_max_tokens,
+            "decoders": sc.decoders, "decoder_max_tokens": sc.decoder_max_tokens, "targets": sc.targets,
             "prompts": [{"name": p.name, "files": [f.name for f in p.files], "lengths": p.lengths,
                          **({"template": p.template} if p.template is not None else {})}
                         for p in sc.prompts],

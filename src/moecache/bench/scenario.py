@@ -128,7 +128,12 @@ TOP_KEYS = {
                        "visible GPU while the arm runs (emulates a smaller GPU; --vram-budget overrides)",
     "arms": "[[arms]] with name, args, env, baseline, description, plan, plan_measure, ttft (the arm's own, "
             "over the scenario's), launcher, restart",
+    "targets": "what the report checks for every moecache-server arm against the baseline: { decode = 1.5 (the warm "
+               "decode ratio, every case), decode_floor = 1.0 (the first and warm decode ratios, never below), "
+               "first_over_warm = 0.9 (the arm's first request over its own warm rate), prefill = 3.0 (the prefill "
+               "ratio in cases of prefill_min_tokens and more), prefill_min_tokens = 4096 }",
 }
+TARGET_KEYS = ("decode", "decode_floor", "first_over_warm", "prefill", "prefill_min_tokens")
 MODEL_KEYS = {"synth", "quant", "seed", "routing", "package"}
 PROMPT_KEYS = {"name", "files", "lengths", "template", "depths"}
 TEXT_MARK = "{text}"  # where a prompt template takes the files' text
@@ -216,6 +221,7 @@ class Scenario:
     depth_fill: str = "prefill"  # one of DEPTH_FILLS: how slots 1..N-1 get a depth's cached tokens
     decoders: int = 0  # requests decoding on slots of their own beside every timed request
     decoder_max_tokens: int = 4096
+    targets: dict = field(default_factory=dict)  # TARGET_KEYS -> number: checked in the report, never in tests
 
     @property
     def baseline(self) -> Arm:
@@ -312,6 +318,19 @@ def _depth_fill(path: Path, value) -> str:
                                          f"other slots; needs the server's POST /slots/N?action=copy), or leave it out for "
                                          f"\"prefill\" (every slot prefills the depth)"))
     return value
+
+
+def _targets(path: Path, value) -> dict:
+    if not isinstance(value, dict):
+        raise ScenarioError(_where(path, f"targets must be a table, e.g. targets = {{ decode = 1.5 }}, got {value!r}"))
+    _check_keys(path, "targets", value, set(TARGET_KEYS))
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ScenarioError(_where(path, f"targets.{key} must be a number above 0, e.g. "
+                                             f"{4096 if key == 'prefill_min_tokens' else 1.5}, got {v!r}"))
+        out[key] = int(v) if key == "prefill_min_tokens" else float(v)
+    return out
 
 
 def parse_scenario(data: dict, path: Path) -> Scenario:
@@ -496,6 +515,7 @@ def parse_scenario(data: dict, path: Path) -> Scenario:
         depth_fill=_depth_fill(path, data.get("depth_fill", "prefill")),
         decoders=_positive(path, "decoders", data.get("decoders", 0), 0),
         decoder_max_tokens=_positive(path, "decoder_max_tokens", data.get("decoder_max_tokens", 4096), 1),
+        targets=_targets(path, data.get("targets", {})),
     )
 
 
