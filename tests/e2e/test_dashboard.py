@@ -59,3 +59,18 @@ def test_a_page_error_would_be_seen(tmp_path):
     bad.write_text("<html><body><script>undefinedFunction();</script></body></html>")
     r = browse(bad.as_uri(), "--dump-dom", budget_ms=1000)
     assert any(":CONSOLE" in line for line in r.stderr.splitlines()), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("miss,says", [([], "the CPU"),
+                                       (["--moe-cache-miss", "split", "--moe-cache-miss-split-pct", "30"],
+                                        "both: 30% of each layer's misses (its most-routed) on the GPU"),
+                                       (["--moe-cache-miss", "auto", "--moe-cache-miss-auto-pct", "40"],
+                                        "layers (while at most 40% of a layer's experts miss), else the CPU")])
+def test_the_page_says_where_the_misses_run(tiny_model, monkeypatch, miss, says):
+    monkeypatch.setenv("LLAMA_MOE_CACHE_HOST_DEVICE", "1")
+    args = ["-t", "2", "-c", "1024", "--moe-cache-slots", "4", "--path", str(dashboard_dir()), *miss]
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        complete(srv, PROMPTS[0], n_predict=4)
+        r = browse(srv.url + "/", "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert says in r.stdout.replace("&nbsp;", " "), r.stdout[:3000]
