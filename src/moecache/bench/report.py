@@ -600,7 +600,7 @@ def target_lines(run: dict) -> list[str]:
     arms = [a["name"] for a in run.get("arms", []) if a.get("launcher") == "moecache-server" and not a.get("baseline")]
     if not t or not arms:
         return []
-    checks = []  # (heading, key, the case values of one arm -> [(value, case)], at least)
+    checks = []  # (heading, the case values of one arm -> [(value, case)], the least that meets it)
     if "decode" in t:
         checks.append((f"warm decode >= {t['decode']:g}x", lambda cs: [(c["warm"] / c["bwarm"], c["case"])
                                                                       for c in cs if c["warm"] and c["bwarm"]], t["decode"]))
