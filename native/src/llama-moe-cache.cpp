@@ -419,10 +419,10 @@ void llama_moe_cache::disable_layer(llama_moe_cache_layer & l, const std::string
         n_cached == 0 ? " (no cached layer is left: the hot-expert cache is off)" : "");
 }
 
-llama_moe_policy_config llama_moe_cache::policy_config() const {
+llama_moe_policy_config llama_moe_cache::policy_config(int32_t slots) const {
     llama_moe_policy_config pc;
     pc.n_expert     = n_exp;
-    pc.n_slots      = n_slots;
+    pc.n_slots      = slots;
     pc.kind         = params.policy == LLAMA_MOE_CACHE_POLICY_LRU ? LLAMA_MOE_POLICY_LRU : LLAMA_MOE_POLICY_FREQ;
     pc.interval     = params.rebalance_interval;
     pc.admit_misses = params.admit_misses;
@@ -447,7 +447,7 @@ void llama_moe_cache::free_banks(llama_moe_cache_layer & l) {
 }
 
 bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_fail, const char * then) {
-    // one context and buffer per layer: slot banks [ne0, ne1, n_slots] of the experts' types, the bias copies
+    // one context and buffer per layer: slot banks [ne0, ne1, l.n_slots] of the experts' types, the bias copies
     for (size_t i = 0; i < ils.size(); ++i) {
         auto & l = layers[ils[i]];
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(l.dev);
@@ -463,7 +463,7 @@ bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_f
         static const char * part[3] = { "up", "gate", "down" };
         for (int k = 0; k < 3; ++k) {
             if (l.src[k]) {
-                l.bank[k] = ggml_new_tensor_3d(ctx.get(), l.src[k]->type, l.src[k]->ne[0], l.src[k]->ne[1], n_slots);
+                l.bank[k] = ggml_new_tensor_3d(ctx.get(), l.src[k]->type, l.src[k]->ne[0], l.src[k]->ne[1], l.n_slots);
                 ggml_format_name(l.bank[k], "moe_cache.blk.%d.%s", l.il, part[k]);
             }
         }
@@ -479,7 +479,7 @@ bool llama_moe_cache::alloc_banks(const std::vector<size_t> & ils, bool inject_f
         if (!buf) {
             size_t need = 0;
             for (size_t j = i; j < ils.size(); ++j) {
-                need += (size_t) n_slots*layers[ils[j]].slot_bytes;
+                need += (size_t) layers[ils[j]].n_slots*layers[ils[j]].slot_bytes;
             }
             LLAMA_LOG_ERROR("%s: failed to allocate %.1f MiB of slot banks in %s%s: %s\n",
                 __func__, need/1048576.0, ggml_backend_buft_name(buft), inject ? " (injected: LLAMA_MOE_CACHE_FAIL)" : "", then);
@@ -522,6 +522,11 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         LLAMA_LOG_INFO("%s: hot-expert cache: up to %d slots per layer, sized after the context from the memory left\n",
             __func__, wanted_slots);
         return;
+    }
+
+    // the profile's counts, before the first banks: they size the layers (slots_by_layer) and warm the slots
+    if (!profile_path.empty() && !profile_read) {
+        profile_ok = read_profile();
     }
 
     // slots per layer: the asked-for count, clamped to what each device has left after the model, the
@@ -576,6 +581,7 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         return;
     }
     n_slots = (int32_t) slots;
+    size_layers(slots);
 
     std::vector<size_t> ils;
     for (size_t il = 0; il < layers.size(); ++il) {
@@ -594,14 +600,13 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
     is_parking = false;
 
     size_t max_tensor = 0;
-    const llama_moe_policy_config pc = policy_config();
     for (auto & l : layers) {
         if (!l.reason.empty() || l.slot_bytes == 0) {
             continue;
         }
-        l.policy = std::make_unique<llama_moe_layer_policy>(pc);
+        l.policy = std::make_unique<llama_moe_layer_policy>(policy_config(l.n_slots));
         l.published.assign(n_exp, -1);
-        l.slot_published.assign(n_slots, -1);
+        l.slot_published.assign(l.n_slots, -1);
         l.n_published = 0;
         l.complete    = false;
         if (l.recent_hits.size() != LLAMA_MOE_CACHE_RECENT) {
@@ -670,8 +675,21 @@ void llama_moe_cache::allocate(bool no_alloc, const std::map<ggml_backend_dev_t,
         LLAMA_LOG_WARN("%s: test mode:%s%s\n", __func__, host_device ? " slot banks in host memory (LLAMA_MOE_CACHE_HOST_DEVICE)" : "",
             hold_empty ? " no uploads (LLAMA_MOE_CACHE_HOLD_EMPTY)" : "");
     }
-    LLAMA_LOG_INFO("%s: hot-expert cache: %d of %zu layers, %d slots of %d experts each (%.1f MiB), policy %s, batches up to %d tokens\n",
-        __func__, n_cached, layers.size(), n_slots, n_exp, total_bytes/1048576.0, moe_policy_name(params.policy), params.max_batch);
+    int32_t lo = INT32_MAX, hi = 0;
+    for (const auto & l : layers) {
+        if (l.cached()) {
+            lo = std::min(lo, l.n_slots);
+            hi = std::max(hi, l.n_slots);
+        }
+    }
+    if (lo == hi) {
+        LLAMA_LOG_INFO("%s: hot-expert cache: %d of %zu layers, %d slots of %d experts each (%.1f MiB), policy %s, batches up to %d tokens\n",
+            __func__, n_cached, layers.size(), n_slots, n_exp, total_bytes/1048576.0, moe_policy_name(params.policy), params.max_batch);
+    } else {
+        LLAMA_LOG_INFO("%s: hot-expert cache: %d of %zu layers, %d-%d slots of %d experts a layer by the expert profile (%d on "
+            "average; %.1f MiB), policy %s, batches up to %d tokens\n", __func__, n_cached, layers.size(), lo, hi, n_exp, n_slots,
+            total_bytes/1048576.0, moe_policy_name(params.policy), params.max_batch);
+    }
     for (const auto & l : layers) {
         if (!l.cached() && l.reason != "no routed experts") {
             LLAMA_LOG_INFO("%s: layer %d not cached: %s\n", __func__, l.il, l.reason.c_str());
@@ -1889,12 +1907,11 @@ bool llama_moe_cache::unpark(const std::map<ggml_backend_dev_t, size_t> & contex
     if (!ils.empty() && !alloc_banks(ils, fail_now(fail_alloc_at, ++n_allocs), "every layer's banks are sized again")) {
         return false;
     }
-    const llama_moe_policy_config pc = policy_config();
     for (size_t il : ils) {
         auto & l = layers[il];
-        l.policy = std::make_unique<llama_moe_layer_policy>(pc);
+        l.policy = std::make_unique<llama_moe_layer_policy>(policy_config(l.n_slots)); // the slots it had
         l.published.assign(n_exp, -1);
-        l.slot_published.assign(n_slots, -1);
+        l.slot_published.assign(l.n_slots, -1);
         l.n_published = 0;
         l.complete    = false;
         l.parked      = false;
@@ -2065,6 +2082,7 @@ bool llama_moe_cache::get_stats(int32_t il, llama_moe_cache_stats & out) const {
         }
         add_layer(layers[il]);
         out.n_tokens = layers[il].stats.n_tokens;
+        out.n_slots  = layers[il].n_slots;
         out.n_layers_cached = 1;
         out.bytes_vram = 0;
         for (ggml_tensor * t : layers[il].bank) {
@@ -2192,6 +2210,7 @@ std::string llama_moe_cache::stats_json() const {
                 // the missed experts whose misses the device computes now
                 s += ",\"split_device\":" + std::to_string(l.n_miss_dev);
             }
+            s += ",\"n_slots\":" + std::to_string(l.n_slots);
             s += std::string(",\"mapped\":") + (l.mapped[0] ? "true" : "false");
             s += std::string(",\"complete\":") + (l.complete ? "true" : "false");
             // whether its decode-sized graphs run one expert FFN (not with the misses on the CPU)
@@ -2248,7 +2267,7 @@ bool llama_moe_cache::has_empty_slot() const {
         if (!l.cached()) {
             continue;
         }
-        for (int32_t s = 0; s < n_slots; ++s) {
+        for (int32_t s = 0; s < l.n_slots; ++s) {
             if (l.policy->expert_in(s) < 0) {
                 return true;
             }
@@ -2368,25 +2387,26 @@ size_t llama_moe_cache::queue_warm(const std::function<uint64_t(int32_t, int32_t
 // (a file cut short has no "end" and is ignored as a whole).
 static const char * PROFILE_MAGIC = "moecache-expert-profile 1";
 
-void llama_moe_cache::load_profile() {
-    profile_used = true;
+bool llama_moe_cache::read_profile() {
+    profile_read = true;
     std::ifstream f(profile_path);
     if (!f) {
         LLAMA_LOG_INFO("%s: expert profile %s: none yet (written at shutdown)\n", __func__, profile_path.c_str());
-        return;
+        return false;
     }
     auto ignore = [this](const std::string & why) {
-        LLAMA_LOG_WARN("%s: expert profile %s is ignored: %s; the cache starts cold and the file is rewritten "
-            "at shutdown\n", __func__, profile_path.c_str(), why.c_str());
+        LLAMA_LOG_WARN("%s: expert profile %s is ignored: %s; the cache starts cold%s and the file is rewritten "
+            "at shutdown\n", __func__, profile_path.c_str(), why.c_str(),
+            params.slots_by_layer ? " with the even share of slots a layer" : "");
     };
     std::string line;
     if (!std::getline(f, line) || line != PROFILE_MAGIC) {
         ignore("not an expert profile (its first line is not '" + std::string(PROFILE_MAGIC) + "')");
-        return;
+        return false;
     }
     if (!std::getline(f, line) || line != "model " + fingerprint) {
         ignore("it belongs to another model ('" + line + "', this one is 'model " + fingerprint + "')");
-        return;
+        return false;
     }
     std::vector<uint64_t> counts(profile_counts.size(), 0);
     bool ended = false;
@@ -2400,29 +2420,102 @@ void llama_moe_cache::load_profile() {
         long long il = -1;
         if (!(in >> word >> il) || word != "layer" || il < 0 || il >= (long long) layers.size()) {
             ignore("a damaged line ('" + line.substr(0, 60) + "')");
-            return;
+            return false;
         }
         for (int32_t e = 0; e < n_exp; ++e) {
             unsigned long long c = 0;
             if (!(in >> c)) {
                 ignore("layer " + std::to_string(il) + " has fewer than " + std::to_string(n_exp) + " counts");
-                return;
+                return false;
             }
             counts[(size_t) il*n_exp + e] = c;
         }
         if (in >> word) {
             ignore("layer " + std::to_string(il) + " has more than " + std::to_string(n_exp) + " counts");
-            return;
+            return false;
         }
     }
     if (!ended) {
         ignore("it is cut short (no 'end' line)");
-        return;
+        return false;
     }
     profile_counts = std::move(counts);
+    return true;
+}
+
+void llama_moe_cache::load_profile() {
+    profile_used = true;
+    if (!profile_ok) {
+        return;
+    }
     n_profile_uploads = queue_warm([this](int32_t il, int32_t e) { return profile_counts[(size_t) il*n_exp + e]; });
     LLAMA_LOG_INFO("%s: expert profile %s: %" PRIu64 " experts queued into the empty slots\n", __func__,
         profile_path.c_str(), n_profile_uploads);
+}
+
+void llama_moe_cache::size_layers(int64_t slots) {
+    std::map<ggml_backend_dev_t, std::vector<llama_moe_cache_layer *>> by_dev;
+    for (auto & l : layers) {
+        if (l.reason.empty() && l.slot_bytes > 0) {
+            l.n_slots = (int32_t) std::min<int64_t>(slots, n_exp);
+            by_dev[l.dev].push_back(&l);
+        }
+    }
+    if (!params.slots_by_layer || !profile_ok || slots >= n_exp) {
+        return;
+    }
+    // per device: each layer starts at half the even share and takes, one slot at a time, its next-hottest expert
+    // by the profile while it holds the most routing per byte; a layer the profile never saw routed keeps the even
+    // share (nothing says it needs less). Each layer's counts weigh as shares of its own routing.
+    const int32_t floor_slots = (int32_t) std::max<int64_t>(1, slots / 2);
+    std::vector<uint64_t> cnt(n_exp);
+    for (auto & [dev, ls] : by_dev) {
+        size_t budget = 0;
+        std::vector<std::vector<double>> gain(ls.size()); // per layer: each expert's share of its routing, descending
+        for (size_t i = 0; i < ls.size(); ++i) {
+            auto & l = *ls[i];
+            budget += (size_t) slots*l.slot_bytes;
+            uint64_t total = 0;
+            for (int32_t e = 0; e < n_exp; ++e) {
+                cnt[e] = profile_counts[(size_t) l.il*n_exp + e];
+                total += cnt[e];
+            }
+            if (total == 0) {
+                continue; // the even share, below
+            }
+            std::sort(cnt.begin(), cnt.end(), std::greater<uint64_t>());
+            gain[i].resize(n_exp);
+            for (int32_t e = 0; e < n_exp; ++e) {
+                gain[i][e] = (double) cnt[e] / (double) total;
+            }
+            l.n_slots = floor_slots;
+        }
+        for (auto * l : ls) {
+            budget -= std::min(budget, (size_t) l->n_slots*l->slot_bytes);
+        }
+        // the greedy is optimal here: each layer's gains only fall as its slots grow
+        for (;;) {
+            size_t best = SIZE_MAX;
+            double best_gain = 0.0;
+            for (size_t i = 0; i < ls.size(); ++i) {
+                const auto & l = *ls[i];
+                if (gain[i].empty() || l.n_slots >= n_exp || l.slot_bytes > budget) {
+                    continue;
+                }
+                const double g = gain[i][l.n_slots] / (double) l.slot_bytes;
+                // ties (experts the profile never saw routed) go to the layer with the fewest slots
+                if (best == SIZE_MAX || g > best_gain || (g == best_gain && l.n_slots < ls[best]->n_slots)) {
+                    best = i;
+                    best_gain = g;
+                }
+            }
+            if (best == SIZE_MAX) {
+                break;
+            }
+            ls[best]->n_slots++;
+            budget -= ls[best]->slot_bytes;
+        }
+    }
 }
 
 void llama_moe_cache::save_profile() {

@@ -55,6 +55,7 @@ struct llama_moe_cache_layer {
     bool                    parked = false; // banks freed for a swap's prompt, allocated again at its end
     size_t                  parked_bytes = 0; // the size of the buffer it had
     size_t        slot_bytes = 0; // bytes of one expert over the layer's tensors
+    int32_t       n_slots    = 0; // the layer's slots: the even share, or its own by the profile (slots_by_layer)
     ggml_backend_dev_t dev = nullptr;
 
     // misses on the device: the host expert tensors as seen by the layer's device (zero-copy), null when
@@ -246,7 +247,7 @@ struct llama_moe_cache {
     size_t bytes_kept() const { return kept_bytes; } // bank bytes the last park() kept
     size_t n_parked_layers() const;
     bool    suspended() const { return is_suspended; }
-    int32_t slots() const { return n_slots; }
+    int32_t slots() const { return n_slots; } // the even share per cached layer (layers may differ: slots_by_layer)
     size_t  bytes_banks() const;
     // uploads queued by warm resumes; routing of the first tokens decoded after each resume
     uint64_t warm_uploads() const { return n_warm_uploads; }
@@ -310,14 +311,23 @@ private:
     void table_entry(llama_moe_cache_layer & l, int32_t expert); // from published[] into the host copy
     void flush_tables();           // the changed entries (tables, maps) to the devices (between graphs)
     void make_device_maps();       // maps of the cached layers kept on their devices
-    // the banks of these layers, each in its own buffer, at n_slots; false (nothing of this call kept) when one
+    // the banks of these layers, each in its own buffer, at each one's n_slots; false (nothing of this call kept) when one
     // allocation fails: that error is logged and the caller decides what follows
     bool alloc_banks(const std::vector<size_t> & ils, bool inject_fail, const char * then);
     void free_banks(llama_moe_cache_layer & l); // the layer's buffer, its bank and bias tensors
     // a swap's release of one layer: unpublished, its pins kept, its policy dropped (it stays eligible), its
     // buffer freed (also a layer a failed copy turned off); returns the bytes freed (counted in freed_for_prompt)
     size_t release_layer(llama_moe_cache_layer & l);
-    llama_moe_policy_config policy_config() const; // a new layer policy's (n_slots slots)
+    llama_moe_policy_config policy_config(int32_t slots) const; // a new layer policy's
+    // each cacheable layer's slot count for an even share of `slots`: that share, or with slots_by_layer and a
+    // profile read, the counts that hold most of the profile's routing in the same bytes per device (a greedy over
+    // each layer's next-hottest expert, at least half the even share a layer, at most every expert)
+    void size_layers(int64_t slots);
+    // reads the profile's counts into profile_counts (false, with a warning, when it is missing, damaged or another
+    // model's: the counts stay zero)
+    bool read_profile();
+    bool profile_read = false; // read_profile() ran (at the first allocation)
+    bool profile_ok   = false; // ... and its counts are the profile's
     // the free memory of a device for the banks: the host test device's budget minus what the context holds
     // there (context_bytes, the banks included), or what the device reports
     size_t free_for_banks(ggml_backend_dev_t dev, const std::map<ggml_backend_dev_t, size_t> & context_bytes) const;

@@ -404,6 +404,7 @@ struct llama_moe_cache_params llama_moe_cache_default_params(void) {
     p.miss_split_pct     = 50;
     p.warm_prompts       = false;
     p.profile            = nullptr;
+    p.slots_by_layer     = false;
     return p;
 }
 

@@ -397,7 +397,9 @@ class Context:
     `moe_cache_miss_split_pct` % of the misses, the CPU the others). `moe_cache_warm_prompts` fills empty slots with the experts a prompt routed most
     before its tokens decode; `moe_cache_profile` names an expert profile kept across restarts: read when
     the context is made (its hottest experts fill the slots; a damaged or foreign file is ignored with a
-    warning) and written when the context is freed, this run's routing added. An option
+    warning) and written when the context is freed, this run's routing added; with
+    `moe_cache_slots_by_layer` the profile also sizes each layer's slots from its routing (layers whose routing
+    spreads over more experts get more, at least half the even share each, in the same memory). An option
     left as None takes its environment variable (MOE_CACHE_OPTIONS: LLAMA_ARG_MOE_CACHE_SLOTS,
     LLAMA_ARG_MOE_CACHE_SIZE, ..., or their old names such as LLAMA_ARG_MOE_HOT_K), else its default
     (0, 0, "freq", 40, 8, 2, 16, 2, 512, "cpu", 25, 50).
@@ -447,6 +449,7 @@ class Context:
                  moe_cache_miss_auto_pct: int | None = None, moe_cache_miss_split_pct: int | None = None,
                  moe_cache_warm_prompts: bool | None = None,
                  moe_cache_profile: str | os.PathLike | None = None,
+                 moe_cache_slots_by_layer: bool | None = None,
                  prefill_ubatch: int | None = None, prefill_min_tokens: int | None = None,
                  prefill_swap_mode: str | None = None, prefill_warm_restore: bool | None = None,
                  prefill_restore_wait_ms: int | None = None,
@@ -481,6 +484,7 @@ class Context:
             "moe_cache_miss_split_pct": moe_cache_miss_split_pct,
             "moe_cache_warm_prompts": moe_cache_warm_prompts,
             "moe_cache_profile": os.fspath(moe_cache_profile) if moe_cache_profile is not None else None,
+            "moe_cache_slots_by_layer": moe_cache_slots_by_layer,
         })
         prefill_swap = _prefill_swap_options({
             "prefill_ubatch": prefill_ubatch,

@@ -129,6 +129,10 @@ MOE_CACHE_OPTIONS: dict[str, FeatureOption] = {
         "--moe-cache-profile", "LLAMA_ARG_MOE_CACHE_PROFILE", (), "", None, None,
         "expert profile kept across restarts: read at start (its hottest experts fill the slots), written at "
         "shutdown with this run's routing added; a damaged or foreign file is ignored with a warning", kind="path"),
+    "moe_cache_slots_by_layer": FeatureOption(
+        "--moe-cache-slots-by-layer", "LLAMA_ARG_MOE_CACHE_SLOTS_BY_LAYER", (), False, None, None,
+        "with a profile: each layer's slot count from the profile's routing (layers whose routing spreads over more "
+        "experts get more, at least half the even share each), in the same memory", boolean=True),
 }
 
 # the prefill-phase swap's options (the public write-up's LLAMA_PHASE_PREFILL_* names are aliases)
@@ -470,6 +474,8 @@ PLAN_SETTINGS = {
     "--moe-cache-warm-prompts": (("--moe-cache-warm-prompts", "--no-moe-cache-warm-prompts"),
                                  MOE_CACHE_OPTIONS["moe_cache_warm_prompts"].env_names),
     "--moe-cache-profile": ((MOE_CACHE_OPTIONS["moe_cache_profile"].flag,), MOE_CACHE_OPTIONS["moe_cache_profile"].env_names),
+    "--moe-cache-slots-by-layer": (("--moe-cache-slots-by-layer", "--no-moe-cache-slots-by-layer"),
+                                   MOE_CACHE_OPTIONS["moe_cache_slots_by_layer"].env_names),
     # where the misses run and the shares of auto and split: a variable is yours as much as a flag (the plan's flag
     # would beat it in llama-server)
     **{MOE_CACHE_OPTIONS[k].flag: ((MOE_CACHE_OPTIONS[k].flag,), MOE_CACHE_OPTIONS[k].env_names)

@@ -70,6 +70,7 @@ class Request:
     bandwidth: "Bandwidth | None" = None  # for the rate bounds; None: none printed
     trace: Path | None = None  # a routing trace of the user's traffic: the hit rate at the planned slots
     profile: Path | None = None  # the cache's expert profile of earlier runs: the hit rate where no trace is given
+    slots_by_layer: bool = True  # the profile sizes each layer's slots (--moe-cache-slots-by-layer, the server's plan)
     n_cpu_moe: int | None = None  # the routed experts of layers 0..N-1 in host memory, the later layers' whole in
     # VRAM (--n-cpu-moe N); None: every layer's in host memory (--cpu-moe)
 
@@ -565,18 +566,50 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
 
 
-def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | None = None) -> float | None:
+def slots_by_layer(counts: Sequence[Sequence[int]], slots: int, n_expert: int) -> list[int]:
+    """Each layer's slots when the cache sizes them from a profile's counts (--moe-cache-slots-by-layer; the
+    library's size_layers, for layers of one device and one expert size): every layer starts at half the even
+    share `slots` and the rest go, one at a time, to the layer whose next-hottest expert holds the largest share
+    of its own routing (ties to the layer with fewer slots); a layer without counts keeps the even share, none
+    gets more than `n_expert`."""
+    even = min(slots, n_expert)
+    if slots >= n_expert:
+        return [even for _ in counts]
+    floor = max(1, slots // 2)
+    shares: list[list[float] | None] = []
+    n = []
+    for c in counts:
+        total = sum(c)
+        shares.append(sorted((x / total for x in c), reverse=True) if total > 0 else None)
+        n.append(floor if total > 0 else even)
+    left = slots * len(counts) - sum(n)
+    while left > 0:
+        best = None
+        for i, s in enumerate(shares):
+            if s is None or n[i] >= n_expert:
+                continue
+            if best is None or s[n[i]] > shares[best][n[best]] or (s[n[i]] == shares[best][n[best]] and n[i] < n[best]):
+                best = i
+        if best is None:
+            break
+        n[best] += 1
+        left -= 1
+    return n
+
+
+def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | None = None,
+                     by_layer: bool = False) -> float | None:
     """The share of the routings in a hot-expert cache profile (moecache-expert-profile 1: a line of counts per
     layer) that each layer's `slots` most-routed experts took, over all layers (those before `below_layer`
-    where given): what slots holding the hot set serve on that traffic. None for a missing, damaged or
-    other-shaped file, or one without counts yet."""
+    where given): what slots holding the hot set serve on that traffic; with `by_layer`, each layer at the
+    slots slots_by_layer gives it. None for a missing, damaged or other-shaped file, or one without counts yet."""
     try:
         lines = Path(path).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return None
     if len(lines) < 3 or lines[0] != "moecache-expert-profile 1" or lines[-1] != "end":
         return None
-    hit = total = 0
+    layers = []
     for line in lines[2:-1]:
         words = line.split()
         if len(words) != 2 + n_expert or words[0] != "layer":
@@ -588,8 +621,10 @@ def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | N
             return None
         if below_layer is not None and layer >= below_layer:
             continue
-        hit += sum(counts[:slots])
-        total += sum(counts)
+        layers.append(counts)
+    sizes = slots_by_layer(layers, slots, n_expert) if by_layer else [slots] * len(layers)
+    hit = sum(sum(c[:k]) for c, k in zip(layers, sizes))
+    total = sum(map(sum, layers))
     return hit / total if total > 0 else None
 
 
@@ -618,8 +653,11 @@ def expected_hit_rate(req: Request, slots: int, n_expert: int, below_layer: int 
             replayed[key] = float(simulate(load_trace(req.trace), slots)["hit_rate"])
         return replayed[key], f"replayed {req.trace}"
     if req.profile is not None:
-        h = profile_hit_rate(req.profile, slots, n_expert, below_layer)
+        h = profile_hit_rate(req.profile, slots, n_expert, below_layer, by_layer=req.slots_by_layer)
         if h is not None:
+            if req.slots_by_layer:
+                return h, f"the expert profile of earlier runs (its top experts in {slots} slots a layer on average, " \
+                          "each layer's count from its routing)"
             return h, f"the expert profile of earlier runs (the top-{slots} share per layer)"
     return prior_hit_rate(slots, n_expert), PRIOR_SOURCE
 

@@ -30,8 +30,8 @@ from collections.abc import Mapping, Sequence
 from .gguf import check_model_file
 from .options import (_FALSE_WORDS, _TRUE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAGS, CTX_ENV, CTX_FLAGS,
                       EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS,
-                      MODEL_ENV, MODEL_FLAGS, PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV, PORT_FLAGS,
-                      REPACK_ENV, REPACK_FLAGS, UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings,
+                      MODEL_ENV, MODEL_FLAGS, MOE_CACHE_OPTIONS, PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV,
+                      PORT_FLAGS, REPACK_ENV, REPACK_FLAGS, UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings,
                       find_flag_value, has_flag, planned_args, setting_value, user_decides)
 
 
@@ -262,7 +262,25 @@ def plan_request_from_args(model: str, rest: Sequence[str], environ: Mapping[str
     except argparse.ArgumentTypeError as e:
         raise PlanError(f"--plan-gpu-mem: {e}") from None
     return Request(Path(model), ctx=max(1, ctx), users=users, ubatch=number(UBATCH_FLAGS, UBATCH_ENV, 512, "-ub"),
-                   gpu_mem_gib=budgets, probe_args=list(rest))
+                   gpu_mem_gib=budgets, probe_args=list(rest), slots_by_layer=switch_setting(
+                       rest, environ, SLOTS_BY_LAYER_FLAGS, MOE_CACHE_OPTIONS["moe_cache_slots_by_layer"].env_names, True))
+
+
+SLOTS_BY_LAYER_FLAGS = ("--moe-cache-slots-by-layer", "--no-moe-cache-slots-by-layer")
+
+
+def switch_setting(args: Sequence[str], environ: Mapping[str, str], flags: Sequence[str], env: Sequence[str],
+                   default: bool) -> bool:
+    """An on/off setting as llama-server will read it: the last of its flags (flags[0] on, flags[1] off), else
+    its variable, else `default`."""
+    last = next((a for a in reversed(args) if a in flags), None)
+    if last is not None:
+        return last == flags[0]
+    for name in env:
+        word = environ.get(name, "").strip().lower()
+        if word:
+            return word in _TRUE_WORDS
+    return default
 
 
 def moe_expert_count(model: str) -> int | None:
@@ -332,7 +350,8 @@ def startup_plan(prog: str, model: str, rest: Sequence[str], environ: Mapping[st
         where = req.profile
         try:
             where.parent.mkdir(parents=True, exist_ok=True)
-            args += ["--moe-cache-profile", str(where)]
+            # ... and sizes each layer's slots from it (no effect until a run has written it)
+            args += ["--moe-cache-profile", str(where), "--moe-cache-slots-by-layer"]
         except OSError as e:
             say(f"no expert profile ({where.parent}: {e.strerror}): the cache starts cold at each start")
     added = planned_args(args, rest, environ)

@@ -74,3 +74,21 @@ def test_the_page_says_where_the_misses_run(tiny_model, monkeypatch, miss, says)
         r = browse(srv.url + "/", "--dump-dom")
     assert r.returncode == 0, r.stderr[-2000:]
     assert says in r.stdout.replace("&nbsp;", " "), r.stdout[:3000]
+
+
+def test_the_page_says_each_layers_slots_where_the_profile_sized_them(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("LLAMA_MOE_CACHE_HOST_DEVICE", "1")
+    profile = tmp_path / "experts.profile"
+    args = ["-t", "2", "-c", "1024", "--moe-cache-slots", "4", "--path", str(dashboard_dir()),
+            "--moe-cache-profile", str(profile)]
+    with ServerProcess(tiny_model, args=args, timeout=180) as srv:
+        complete(srv, PROMPTS[0], n_predict=4)
+        srv.stop()
+    head = profile.read_text().splitlines()[:2]
+    narrow, wide = " ".join(["50", "50"] + ["0"] * 14), " ".join(["10"] * 16)
+    profile.write_text("\n".join(head + [f"layer {il} {narrow if il % 2 == 0 else wide}" for il in range(4)] + ["end", ""]))
+    with ServerProcess(tiny_model, args=[*args, "--moe-cache-slots-by-layer"], timeout=180) as srv:
+        complete(srv, PROMPTS[0], n_predict=4)
+        r = browse(srv.url + "/", "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2-6 slots a layer by the expert profile (4 on average) x 4 layers" in r.stdout, r.stdout[:3000]

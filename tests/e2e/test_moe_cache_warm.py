@@ -5,6 +5,7 @@
 - --moe-cache-profile FILE: written at shutdown (this run's routing added), read at start (its hottest
   experts fill the slots before the first request); a damaged or foreign file is ignored with a warning
   and rewritten at shutdown; a failed write (LLAMA_MOE_CACHE_FAIL=profile) leaves the old file whole.
+- --moe-cache-slots-by-layer: the profile also sizes each layer's slots from its routing, in the same memory.
 
 LLAMA_MOE_CACHE_SYNC_UPLOADS=1 makes each step wait for the uploads in flight, so the hit counts do not
 depend on how fast this machine copies.
@@ -178,3 +179,57 @@ def test_warm_copies_take_the_link_in_rank_order_across_layers(tiny_model):
     assert min(interleaved) >= 1, interleaved
     in_layer_order = resident(LLAMA_MOE_CACHE_WARM_INTERLEAVE="0")
     assert in_layer_order[0] > 0 and in_layer_order[-1] == 0, in_layer_order
+
+
+def profile_with(path, rows):
+    """The profile a run wrote (its header and fingerprint) with these counts per layer."""
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:2] + [f"layer {il} " + " ".join(map(str, c)) for il, c in enumerate(rows)]
+                              + ["end", ""]))
+
+
+def test_the_profile_sizes_each_layers_slots(tiny_model, cold, tmp_path):
+    """Layers whose routing the profile shows on 2 experts give slots to layers that spread over all 16: the
+    total stays, each keeps at least half the even share, and the tokens are the cache's without it. Without
+    the switch, or with a damaged profile, every layer has the even share."""
+    profile = tmp_path / "experts.profile"
+    first_request(tiny_model, "--moe-cache-profile", str(profile))
+    narrow, wide = [50, 50] + [0] * (N_EXPERT - 2), [10] * N_EXPERT
+    rows = [narrow, wide, narrow, wide]
+    assert len(rows) == N_LAYER
+    profile_with(profile, rows)
+    tokens, st, log = first_request(tiny_model, "--moe-cache-profile", str(profile), "--moe-cache-slots-by-layer")
+    sizes = [layer["n_slots"] for layer in st["layers"]]
+    assert sizes == [SLOTS // 2, SLOTS + SLOTS // 2, SLOTS // 2, SLOTS + SLOTS // 2], sizes
+    assert st["n_slots"] == SLOTS and "is ignored" not in log
+    assert st["total"]["bytes_vram"] == cold[1]["total"]["bytes_vram"]  # the same memory
+    assert [layer["n_resident"] for layer in st["layers"]] == [2, SLOTS + SLOTS // 2, 2, SLOTS + SLOTS // 2]
+    assert tokens == cold[0]
+    # the variable turns it on as the flag does; without either, the even share
+    profile_with(profile, rows)
+    _, st, _ = first_request(tiny_model, "--moe-cache-profile", str(profile),
+                             env={"LLAMA_ARG_MOE_CACHE_SLOTS_BY_LAYER": "1"})
+    assert [layer["n_slots"] for layer in st["layers"]] == sizes
+    profile_with(profile, rows)
+    _, st, _ = first_request(tiny_model, "--moe-cache-profile", str(profile))
+    assert [layer["n_slots"] for layer in st["layers"]] == [SLOTS] * N_LAYER
+    # a damaged profile: the even share, said in its warning, and the same tokens
+    profile.write_text("garbage\n")
+    tokens, st, log = first_request(tiny_model, "--moe-cache-profile", str(profile), "--moe-cache-slots-by-layer")
+    assert [layer["n_slots"] for layer in st["layers"]] == [SLOTS] * N_LAYER
+    assert "is ignored" in log and "with the even share of slots a layer" in log and tokens == cold[0]
+
+
+def test_slots_by_layer_survive_a_failed_bank_allocation(tiny_model, cold, tmp_path):
+    """LLAMA_MOE_CACHE_FAIL=alloc with layers sized by the profile: the cache is off, the server answers with
+    the stock path's tokens."""
+    profile = tmp_path / "experts.profile"
+    first_request(tiny_model, "--moe-cache-profile", str(profile))
+    profile_with(profile, [[50, 50] + [0] * (N_EXPERT - 2), [10] * N_EXPERT] * (N_LAYER // 2))
+    tokens, st, log = first_request(tiny_model, "--moe-cache-profile", str(profile), "--moe-cache-slots-by-layer",
+                                    env={"LLAMA_MOE_CACHE_FAIL": "alloc"})
+    assert not st["enabled"] and "injected" in log
+    with ServerProcess(tiny_model, args=[a for a in ARGS if a not in ("--moe-cache-slots", str(SLOTS))],
+                       env=ENV, timeout=120) as srv:
+        stock = complete(srv, PROMPT, n_predict=N_PREDICT)["tokens"]
+    assert tokens == stock

@@ -183,7 +183,7 @@ def test_your_flags_win_over_the_default_plan(tiny_model, budget, subprocess_env
                                   "--moe-cache-slots", "3", "--no-host-hugepages"], env, free_port())
     assert status == 200 and st["n_slots"] == 3, st
     added = _plan_lines(text)[0].split("added: ")[1]
-    assert "--moe-cache-slots" not in added and "--host-hugepages" not in added and "-ub" not in added.split()
+    assert "--moe-cache-slots" not in added.split() and "--host-hugepages" not in added and "-ub" not in added.split()
     assert "--cpu-moe" in added
 
 

@@ -22,6 +22,7 @@ DEFAULTS = {
     "moe_cache_miss_split_pct": 50,
     "moe_cache_warm_prompts": False,
     "moe_cache_profile": "",
+    "moe_cache_slots_by_layer": False,
 }
 
 # llama.cpp's LLAMA_ARG_<FLAG> names, as llama-server takes them
@@ -40,6 +41,7 @@ ENV = {
     "moe_cache_miss_split_pct": "LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT",
     "moe_cache_warm_prompts": "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS",
     "moe_cache_profile": "LLAMA_ARG_MOE_CACHE_PROFILE",
+    "moe_cache_slots_by_layer": "LLAMA_ARG_MOE_CACHE_SLOTS_BY_LAYER",
 }
 # the older names, still read when the new one is unset
 ALIASES = {
@@ -62,6 +64,7 @@ FLAGS = {
     "moe_cache_miss_split_pct": "--moe-cache-miss-split-pct",
     "moe_cache_warm_prompts": "--moe-cache-warm-prompts",
     "moe_cache_profile": "--moe-cache-profile",
+    "moe_cache_slots_by_layer": "--moe-cache-slots-by-layer",
 }
 
 
@@ -106,6 +109,7 @@ def test_environment_gives_the_defaults():
         "LLAMA_ARG_MOE_CACHE_MISS_SPLIT_PCT": "70",
         "LLAMA_ARG_MOE_CACHE_WARM_PROMPTS": "on",
         "LLAMA_ARG_MOE_CACHE_PROFILE": " experts.profile ",
+        "LLAMA_ARG_MOE_CACHE_SLOTS_BY_LAYER": "1",
     }
     assert api._moe_cache_options({}, env) == {
         "moe_cache_slots": 16,
@@ -122,6 +126,7 @@ def test_environment_gives_the_defaults():
         "moe_cache_miss_split_pct": 70,
         "moe_cache_warm_prompts": True,
         "moe_cache_profile": "experts.profile",
+        "moe_cache_slots_by_layer": True,
     }
 
 

@@ -472,6 +472,50 @@ def test_the_hit_rate_comes_from_the_expert_profile_of_earlier_runs(fake_probe, 
     assert "expected hits" in lines[0], lines
 
 
+def test_slots_by_layer_go_where_the_routing_spreads():
+    """The library's size_layers in Python: half the even share each, then slot by slot to the layer whose
+    next-hottest expert holds the largest share of its routing. A layer that routes to 4 experts gives its slots
+    to one that spreads over all of them; the total stays; a layer without counts keeps the even share; equal
+    layers stay even; no layer exceeds the experts."""
+    n_exp, slots = 16, 8
+    narrow = [100] * 4 + [0] * 12
+    wide = [10] * 16
+    sizes = planmod.slots_by_layer([narrow, wide, [0] * 16], slots, n_exp)
+    assert sizes == [4, 12, 8] and sum(sizes) == 3 * slots
+    assert planmod.slots_by_layer([wide, wide, wide], slots, n_exp) == [8, 8, 8]
+    assert planmod.slots_by_layer([narrow, wide], 16, n_exp) == [16, 16]  # every expert fits: nothing to move
+    # at most every expert a layer; what no routing asks for is shared evenly among the others
+    assert planmod.slots_by_layer([narrow, narrow, wide], 12, n_exp) == [10, 10, 16]
+    # and the hit rate of that split beats the even one on the same counts
+    even = sum(sum(sorted(c, reverse=True)[:slots]) for c in (narrow, wide)) / sum(map(sum, (narrow, wide)))
+    split = sum(sum(sorted(c, reverse=True)[:k]) for c, k in zip((narrow, wide), (4, 12))) / sum(map(sum, (narrow, wide)))
+    assert split > even
+
+
+def test_the_profile_hit_rate_by_layer(tmp_path):
+    n_exp, slots = 16, 8
+    prof = tmp_path / "m.profile"
+    rows = {0: [100] * 4 + [0] * 12, 1: [10] * 16}
+    prof.write_text("moecache-expert-profile 1\nmodel x\n" +
+                    "".join(f"layer {i} " + " ".join(map(str, c)) + "\n" for i, c in rows.items()) + "end\n")
+    total = 400 + 160
+    assert planmod.profile_hit_rate(prof, slots, n_exp) == pytest.approx((400 + 80) / total)
+    assert planmod.profile_hit_rate(prof, slots, n_exp, by_layer=True) == pytest.approx((400 + 120) / total)
+
+
+def test_the_server_plan_sizes_layers_by_the_profile_unless_you_say_no(fake_probe, monkeypatch):
+    monkeypatch.setattr(server, "moe_expert_count", lambda path: 128)
+    model = fake_probe(answer())
+    args = ["-m", str(model)]
+    added = server.startup_plan("moecache-server", str(model), args, {}, "16", explicit=False, bandwidth="none")
+    assert "--moe-cache-profile" in added and "--moe-cache-slots-by-layer" in added, added
+    for rest, env in (([*args, "--no-moe-cache-slots-by-layer"], {}), (args, {"LLAMA_ARG_MOE_CACHE_SLOTS_BY_LAYER": "0"})):
+        added = server.startup_plan("moecache-server", str(model), rest, env, "16", explicit=False, bandwidth="none")
+        assert "--moe-cache-slots-by-layer" not in added, added
+        assert not server.plan_request_from_args(str(model), rest, env, "16").slots_by_layer
+    assert server.plan_request_from_args(str(model), args, {}, "16").slots_by_layer
+
+
 # --- per layer: whole experts in VRAM against cache slots ----------------------------------------------------
 
 EXPERT_30B = 2_654_208  # one expert of one layer of the 30B shape at Q4_0

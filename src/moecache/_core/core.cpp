@@ -537,7 +537,7 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
                                                     int rebalance_interval, int max_batch, int admit_misses,
                                                     int admit_window, int max_uploads, int headroom_mib,
                                                     const std::string & miss, int miss_auto_pct, int miss_split_pct,
-                                                    bool warm_prompts) {
+                                                    bool warm_prompts, bool slots_by_layer) {
     llama_moe_cache_params p = llama_moe_cache_default_params();
     p.n_slots = slots;
     p.size_mib = size_mib;
@@ -553,6 +553,7 @@ static llama_moe_cache_params make_moe_cache_params(int slots, int size_mib, con
     p.miss_auto_pct = miss_auto_pct;
     p.miss_split_pct = miss_split_pct;
     p.warm_prompts = warm_prompts;
+    p.slots_by_layer = slots_by_layer;
     p.profile = nullptr; // set by make_context, to a string the context keeps
     return p;
 }
@@ -592,7 +593,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                                     const std::string & moe_cache_miss, int moe_cache_miss_auto_pct,
                                                     int moe_cache_miss_split_pct,
                                                     bool moe_cache_warm_prompts, const std::string & moe_cache_profile,
-                                                    int prefill_ubatch, int prefill_min_tokens,
+                                                    bool moe_cache_slots_by_layer, int prefill_ubatch, int prefill_min_tokens,
                                                     const std::string & prefill_swap_mode, bool prefill_warm_restore,
                                                     int prefill_restore_wait_ms, bool qsa_sparse, bool kq_mask_device, bool qsa_block_topk,
                                                     bool pp_overrides, bool cpu_experts_flat, bool cpu_experts_x4,
@@ -645,7 +646,7 @@ static std::shared_ptr<context_handle> make_context(std::shared_ptr<model_handle
                                              moe_cache_rebalance_interval, moe_cache_max_batch, moe_cache_admit_misses,
                                              moe_cache_admit_window, moe_cache_max_uploads, moe_cache_headroom_mib,
                                              moe_cache_miss, moe_cache_miss_auto_pct, moe_cache_miss_split_pct,
-                                             moe_cache_warm_prompts);
+                                             moe_cache_warm_prompts, moe_cache_slots_by_layer);
     params.prefill_swap = make_prefill_swap_params(prefill_ubatch, prefill_min_tokens, prefill_swap_mode, prefill_warm_restore,
                                                    prefill_restore_wait_ms);
     params.qsa_sparse = qsa_sparse;
@@ -1454,7 +1455,7 @@ PYBIND11_MODULE(_core, mod) {
              py::arg("moe_cache_miss") = "cpu", py::arg("moe_cache_miss_auto_pct") = 25,
              py::arg("moe_cache_miss_split_pct") = 50,
              py::arg("moe_cache_warm_prompts") = false, py::arg("moe_cache_profile") = "",
-             py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
+             py::arg("moe_cache_slots_by_layer") = false, py::arg("prefill_ubatch") = 0, py::arg("prefill_min_tokens") = 1024,
              py::arg("prefill_swap_mode") = "transaction", py::arg("prefill_warm_restore") = true,
              py::arg("prefill_restore_wait_ms") = 0,
              py::arg("qsa_sparse") = false, py::arg("kq_mask_device") = false, py::arg("qsa_block_topk") = false,
