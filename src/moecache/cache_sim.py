@@ -10,6 +10,7 @@ S slots and this policy give on this text" without a GPU, and gives the routing 
 text (distinct experts, the share the most-routed S experts take: a static upper bound).
 
     moecache cache-sim trace.jsonl --slots 16,32,64 --policy freq,lru
+    moecache cache-sim trace.jsonl --by-layer     # slots sized per layer by the first half (as a profile would)
     moecache cache-sim --record model.gguf --text benchmarks/prompts/code/heapq.py --tokens 2048 trace.jsonl
 """
 
@@ -106,16 +107,30 @@ def routing_stats(trace: Trace, slots: list[int]) -> dict:
     }
 
 
+def layer_slots_from(trace: Trace, slots: int, tokens: int) -> dict[int, int]:
+    """Each layer's slots as --moe-cache-slots-by-layer sizes them from a profile holding the routing of the
+    trace's first `tokens` tokens (an even share of `slots` a layer on average)."""
+    from .plan import slots_by_layer
+
+    counts = []
+    for l in trace.layers:
+        c = Counter(e for t in trace.tokens[:tokens] for e in t[l])
+        counts.append([c.get(e, 0) for e in range(trace.n_expert)])
+    return dict(zip(trace.layers, slots_by_layer(counts, slots, trace.n_expert)))
+
+
 def simulate(trace: Trace, slots: int, policy: str = "freq", interval: int = 40, admit_misses: int = 2,
-             admit_window: int = 16, max_uploads: int = 2, warmup: int = 0) -> dict:
-    """Replay the trace through one policy per layer; the first `warmup` tokens are not counted."""
+             admit_window: int = 16, max_uploads: int = 2, warmup: int = 0,
+             layer_slots: dict[int, int] | None = None) -> dict:
+    """Replay the trace through one policy per layer; the first `warmup` tokens are not counted. `layer_slots`:
+    a slot count per layer instead of `slots` for each."""
     from .api import _core
 
     core = _core()
     hits = misses = uploads = evictions = 0
     for l in trace.layers:
-        pol = core.LayerPolicy(trace.n_expert, slots, policy, interval, admit_misses, admit_window, max_uploads)
-        n_slots = min(slots, trace.n_expert)
+        n_slots = min(layer_slots.get(l, slots) if layer_slots else slots, trace.n_expert)
+        pol = core.LayerPolicy(trace.n_expert, n_slots, policy, interval, admit_misses, admit_window, max_uploads)
         published = [-1] * trace.n_expert       # expert -> slot, as the graph's map
         slot_published = [-1] * n_slots
         inflight: list[tuple[int, int]] = []
@@ -205,6 +220,9 @@ def build_parser(prog: str = "moecache cache-sim") -> argparse.ArgumentParser:
     p.add_argument("--max-uploads", type=int, default=2, help="uploads per layer and step (default 2)")
     p.add_argument("--warmup", type=int, default=0, help="tokens at the start that are not counted (default 0)")
     p.add_argument("--seq", type=int, default=None, help="only this sequence of the trace")
+    p.add_argument("--by-layer", action="store_true",
+                   help="also replay with each layer's slots sized from the trace's first half, as "
+                        "--moe-cache-slots-by-layer sizes them from a profile; both replays count the second half only")
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON to this file")
     p.add_argument("--record", metavar="MODEL", default=None,
                    help="first record the trace: run --tokens of --text through MODEL on the CPU")
@@ -246,6 +264,22 @@ def main(argv: list[str] | None = None, prog: str = "moecache cache-sim") -> int
             results.append(r)
             print(f"{pol:<6} {s:>5} {r['hit_rate']:>9.1%} {r['top_s_share']:>11.1%} {r['uploads']:>8} "
                   f"{r['evictions']:>9} {r['uploads_per_token_layer']:>19.3f}")
+    if args.by_layer:
+        half = len(trace.tokens) // 2
+        print(f"slots by layer, sized from the first {half} tokens, against the even share; "
+              f"both count the last {len(trace.tokens) - half} tokens:")
+        print(f"{'policy':<6} {'slots':>5} {'even':>7} {'by layer':>9} {'layers (min-max slots)':>23}")
+        for pol in args.policy:
+            for s in args.slots:
+                sizes = layer_slots_from(trace, s, half)
+                kw = dict(interval=args.interval, admit_misses=args.admit_misses, admit_window=args.admit_window,
+                          max_uploads=args.max_uploads, warmup=half)
+                even = simulate(trace, s, pol, **kw)
+                split = simulate(trace, s, pol, layer_slots=sizes, **kw)
+                results.append({**split, "by_layer": True, "layer_slots": {str(k): v for k, v in sizes.items()},
+                                "even_hit_rate": even["hit_rate"], "held_out_from": half})
+                print(f"{pol:<6} {s:>5} {even['hit_rate']:>7.1%} {split['hit_rate']:>9.1%} "
+                      f"{min(sizes.values()):>19}-{max(sizes.values())}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"trace": str(args.trace), "routing": stats, "results": results,
                                                    "params": {k: getattr(args, k) for k in (

@@ -77,3 +77,28 @@ def test_record_a_trace_of_real_text(tiny_model, tmp_path):
     tr = cache_sim.load_trace(trace)
     assert len(tr.tokens) == 200 and tr.n_used == 4
     assert tr.layers == [0, 1, 2]  # the prompt's tokens lack the last layer (only the output row runs it)
+
+
+def test_slots_by_layer_beat_the_even_share_where_layers_differ(tmp_path, capsys):
+    """Layer 0 routes among 5 experts, layer 1 over all 16: sized from the first half, layer 0 gives slots to
+    layer 1, and the second half hits more than with the even share. Where both layers route alike, the
+    sizes stay near even and the hit rate with them."""
+    rng = random.Random(3)
+    path = tmp_path / "t.jsonl"
+    with open(path, "w") as f:
+        for t in range(400):
+            layers = {"0": rng.sample(range(5), 4), "1": rng.sample(range(16), 4)}
+            f.write(json.dumps({"seq": 0, "pos": t, "cached": True, "layers": layers}) + "\n")
+    tr = cache_sim.load_trace(path)
+    sizes = cache_sim.layer_slots_from(tr, 8, 200)
+    assert sizes[0] < 8 < sizes[1] and sum(sizes.values()) == 16, sizes
+    even = cache_sim.simulate(tr, 8, "freq", interval=16, warmup=200)
+    split = cache_sim.simulate(tr, 8, "freq", interval=16, warmup=200, layer_slots=sizes)
+    assert split["hit_rate"] > even["hit_rate"] + 0.05, (split, even)
+    out = tmp_path / "r.json"
+    assert cache_sim.main([str(path), "--slots", "8", "--policy", "freq", "--by-layer", "--json", str(out)]) == 0
+    assert "slots by layer, sized from the first 200 tokens" in capsys.readouterr().out
+    by = [r for r in json.loads(out.read_text())["results"] if r.get("by_layer")]
+    assert len(by) == 1 and by[0]["layer_slots"] == {"0": sizes[0], "1": sizes[1]}
+    alike = cache_sim.load_trace(write_trace(tmp_path / "alike.jsonl"))
+    assert max(cache_sim.layer_slots_from(alike, 6, 150).values()) - 6 <= 2
