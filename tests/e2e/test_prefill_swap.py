@@ -558,3 +558,31 @@ def test_a_restore_can_wait_for_its_warm_copies_before_the_first_token(tiny_mode
     # a bound of 100 ms: waited that long, not for every copy; without the switch, no wait at all
     assert 100 <= short["last"]["restore_ms"] < warm["last"]["restore_ms"] - 150, (short["last"], warm["last"])
     assert cold["last"]["restore_ms"] < short["last"]["restore_ms"], (cold["last"], short["last"])
+
+
+@pytest.mark.parametrize("partial", ["1", "0"])
+def test_layers_sized_by_the_profile_come_back_in_the_same_memory_after_swaps(tiny_model, stock_big, tmp_path, partial):
+    """--moe-cache-slots-by-layer: the layers' own slot counts survive the swaps (a partial release brings the
+    parked layers back at their counts; a full one sizes them again from the profile, this run's routing added):
+    the same bank bytes, the stock output at the prefill ubatch."""
+    profile = tmp_path / "experts.profile"
+    args, env, banks_mib = _budget_server(tiny_model, {"LLAMA_PREFILL_SWAP_PARTIAL": partial})
+    with ServerProcess(tiny_model, args=[*args, "--moe-cache-profile", str(profile)], env=env, timeout=120) as srv:
+        complete(srv, SHORT, n_predict=4)
+    head = profile.read_text().splitlines()[:2]
+    narrow, wide = " ".join(["50", "50"] + ["0"] * (N_EXPERT - 2)), " ".join(["10"] * N_EXPERT)
+    profile.write_text("\n".join(head + [f"layer {il} {narrow if il % 2 == 0 else wide}" for il in range(4)] + ["end", ""]))
+    with ServerProcess(tiny_model, args=[*args, "--moe-cache-profile", str(profile), "--moe-cache-slots-by-layer"],
+                       env=env, timeout=120) as srv:
+        before = cache_stats(srv)
+        outs = requests(srv)
+        after = cache_stats(srv)
+    sizes = [layer["n_slots"] for layer in before["layers"]]
+    assert sizes == [N_EXPERT // 4, N_EXPERT * 3 // 4] * 2, sizes
+    st = after["prefill_swap"]
+    assert st["swaps"] == 2 and not any(st["failed"].values()), st
+    assert sum(layer["n_slots"] for layer in after["layers"]) == sum(sizes)
+    assert after["total"]["bytes_vram"] == before["total"]["bytes_vram"] == round(banks_mib * 2**20)
+    if partial == "1":
+        assert st["partial"]["swaps"] == 1 and [layer["n_slots"] for layer in after["layers"]] == sizes, st
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in stock_big]
