@@ -2493,7 +2493,8 @@ void llama_moe_cache::size_layers(int64_t slots) {
         for (auto * l : ls) {
             budget -= std::min(budget, (size_t) l->n_slots*l->slot_bytes);
         }
-        // the greedy is optimal here: each layer's gains only fall as its slots grow
+        // each layer's gains only fall as its slots grow, so with the layers' slots of one size (one model's layers on
+        // one device) the greedy gives the most routing the budget can hold
         for (;;) {
             size_t best = SIZE_MAX;
             double best_gain = 0.0;
