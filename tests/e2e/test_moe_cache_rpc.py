@@ -100,3 +100,41 @@ def test_a_partial_release_parks_layers_on_each_device(moecache_cache_dir, rpc_s
     assert all(abs(float(mib) - banks / 4 / 2**20) < 1e-3 for _, mib in freed), (freed, banks)
     assert sw["last"]["n_slots"] == 8 and st["total"]["bytes_vram"] == banks
     assert [o["tokens"] for o in outs] == [o["tokens"] for o in ref]
+
+
+def test_slots_by_layer_keep_each_devices_memory(tiny_model, rpc_servers, tmp_path):
+    """With the layers on two devices, --moe-cache-slots-by-layer moves slots between the layers of one device,
+    never from one device to another (each has its own memory): layers that the profile shows on 2 experts on
+    one device, layers that spread over all 16 on the other, and every layer keeps the even share; within a
+    device the split is the plan's (moecache.plan.slots_by_layer). The tokens are the cache's without it."""
+    from moe_cache_checks import N_EXPERT
+    from moecache.plan import slots_by_layer
+
+    ports = rpc_servers(2)
+    slots = 8
+    args = ["-t", "2", "-c", "2048", "-np", "1", "-ngl", "99", "--cpu-moe", "--no-repack", "-lm", "none",
+            "--rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-sm", "layer", "-ts", "1,1",
+            "--moe-cache-slots", str(slots), "--moe-cache-profile", str(tmp_path / "experts.profile")]
+    env = {"LLAMA_MOE_CACHE_ASSUME_SKIP_IDS": "1"}
+    with ServerProcess(tiny_model, args=args, env=env, timeout=180) as srv:
+        even = [complete(srv, p, n_predict=8) for p in PROMPTS]
+        st = cache_stats(srv)
+    devices = [layer.get("device") for layer in st["layers"]]
+    assert len(set(devices)) == 2 and all(layer["n_slots"] == slots for layer in st["layers"]), st["layers"]
+    narrow, wide = [50, 50] + [0] * (N_EXPERT - 2), [10] * N_EXPERT
+    rows = [narrow if d == devices[0] else wide for d in devices]
+    profile = tmp_path / "experts.profile"
+    head = profile.read_text().splitlines()[:2]
+    profile.write_text("\n".join(head + [f"layer {il} " + " ".join(map(str, c)) for il, c in enumerate(rows)]
+                                 + ["end", ""]))
+    with ServerProcess(tiny_model, args=[*args, "--moe-cache-slots-by-layer"], env=env, timeout=180) as srv:
+        outs = [complete(srv, p, n_predict=8) for p in PROMPTS]
+        st = cache_stats(srv)
+    sizes = [layer["n_slots"] for layer in st["layers"]]
+    want = []
+    for d in dict.fromkeys(devices):
+        want += slots_by_layer([r for r, dd in zip(rows, devices) if dd == d], slots, N_EXPERT)
+    assert sizes == want == [slots] * len(rows), sizes
+    # one pool over both devices would have moved slots from the narrow layers to the wide ones
+    assert slots_by_layer(rows, slots, N_EXPERT) != want
+    assert [o["tokens"] for o in outs] == [o["tokens"] for o in even]
