@@ -22,6 +22,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 
 class TraceError(ValueError):
@@ -107,11 +108,40 @@ def routing_stats(trace: Trace, slots: list[int]) -> dict:
     }
 
 
+def slots_by_layer(counts: Sequence[Sequence[int]], slots: int, n_expert: int) -> list[int]:
+    """Each layer's slots when the cache sizes them from a profile's counts (--moe-cache-slots-by-layer; the
+    library's size_layers, for layers of one device and one expert size; the plan's expected hit rate uses it too): every layer starts at half the even
+    share `slots` and the rest go, one at a time, to the layer whose next-hottest expert holds the largest share
+    of its own routing (ties to the layer with fewer slots); a layer without counts keeps the even share, none
+    gets more than `n_expert`."""
+    even = min(slots, n_expert)
+    if slots >= n_expert:
+        return [even for _ in counts]
+    floor = max(1, slots // 2)
+    shares: list[list[float] | None] = []
+    n = []
+    for c in counts:
+        total = sum(c)
+        shares.append(sorted((x / total for x in c), reverse=True) if total > 0 else None)
+        n.append(floor if total > 0 else even)
+    left = slots * len(counts) - sum(n)
+    while left > 0:
+        best = None
+        for i, s in enumerate(shares):
+            if s is None or n[i] >= n_expert:
+                continue
+            if best is None or s[n[i]] > shares[best][n[best]] or (s[n[i]] == shares[best][n[best]] and n[i] < n[best]):
+                best = i
+        if best is None:
+            break
+        n[best] += 1
+        left -= 1
+    return n
+
+
 def layer_slots_from(trace: Trace, slots: int, tokens: int) -> dict[int, int]:
     """Each layer's slots as --moe-cache-slots-by-layer sizes them from a profile holding the routing of the
     trace's first `tokens` tokens (an even share of `slots` a layer on average)."""
-    from .plan import slots_by_layer
-
     counts = []
     for l in trace.layers:
         c = Counter(e for t in trace.tokens[:tokens] for e in t[l])

@@ -566,37 +566,6 @@ def rate_bounds(plan: "Plan", bw: Bandwidth) -> Rates | None:
                  plan.prefill_ubatch / t_ubatch if plan.prefill_ubatch else None)
 
 
-def slots_by_layer(counts: Sequence[Sequence[int]], slots: int, n_expert: int) -> list[int]:
-    """Each layer's slots when the cache sizes them from a profile's counts (--moe-cache-slots-by-layer; the
-    library's size_layers, for layers of one device and one expert size): every layer starts at half the even
-    share `slots` and the rest go, one at a time, to the layer whose next-hottest expert holds the largest share
-    of its own routing (ties to the layer with fewer slots); a layer without counts keeps the even share, none
-    gets more than `n_expert`."""
-    even = min(slots, n_expert)
-    if slots >= n_expert:
-        return [even for _ in counts]
-    floor = max(1, slots // 2)
-    shares: list[list[float] | None] = []
-    n = []
-    for c in counts:
-        total = sum(c)
-        shares.append(sorted((x / total for x in c), reverse=True) if total > 0 else None)
-        n.append(floor if total > 0 else even)
-    left = slots * len(counts) - sum(n)
-    while left > 0:
-        best = None
-        for i, s in enumerate(shares):
-            if s is None or n[i] >= n_expert:
-                continue
-            if best is None or s[n[i]] > shares[best][n[best]] or (s[n[i]] == shares[best][n[best]] and n[i] < n[best]):
-                best = i
-        if best is None:
-            break
-        n[best] += 1
-        left -= 1
-    return n
-
-
 def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | None = None,
                      by_layer: bool = False) -> float | None:
     """The share of the routings in a hot-expert cache profile (moecache-expert-profile 1: a line of counts per
@@ -622,6 +591,8 @@ def profile_hit_rate(path: Path, slots: int, n_expert: int, below_layer: int | N
         if below_layer is not None and layer >= below_layer:
             continue
         layers.append(counts)
+    from .cache_sim import slots_by_layer
+
     sizes = slots_by_layer(layers, slots, n_expert) if by_layer else [slots] * len(layers)
     hit = sum(sum(c[:k]) for c, k in zip(layers, sizes))
     total = sum(map(sum, layers))

@@ -106,9 +106,9 @@ def test_slots_by_layer_keep_each_devices_memory(tiny_model, rpc_servers, tmp_pa
     """With the layers on two devices, --moe-cache-slots-by-layer moves slots between the layers of one device,
     never from one device to another (each has its own memory): layers that the profile shows on 2 experts on
     one device, layers that spread over all 16 on the other, and every layer keeps the even share; within a
-    device the split is the plan's (moecache.plan.slots_by_layer). The tokens are the cache's without it."""
+    device the split is the plan's (moecache.cache_sim.slots_by_layer). The tokens are the cache's without it."""
     from moe_cache_checks import N_EXPERT
-    from moecache.plan import slots_by_layer
+    from moecache.cache_sim import slots_by_layer
 
     ports = rpc_servers(2)
     slots = 8

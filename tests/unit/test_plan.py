@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from moecache import cache_sim
 from moecache import plan as planmod
 from moecache import server
 from moecache.plan import GiB, MiB, PlanError, Request, make_plan
@@ -480,12 +481,12 @@ def test_slots_by_layer_go_where_the_routing_spreads():
     n_exp, slots = 16, 8
     narrow = [100] * 4 + [0] * 12
     wide = [10] * 16
-    sizes = planmod.slots_by_layer([narrow, wide, [0] * 16], slots, n_exp)
+    sizes = cache_sim.slots_by_layer([narrow, wide, [0] * 16], slots, n_exp)
     assert sizes == [4, 12, 8] and sum(sizes) == 3 * slots
-    assert planmod.slots_by_layer([wide, wide, wide], slots, n_exp) == [8, 8, 8]
-    assert planmod.slots_by_layer([narrow, wide], 16, n_exp) == [16, 16]  # every expert fits: nothing to move
+    assert cache_sim.slots_by_layer([wide, wide, wide], slots, n_exp) == [8, 8, 8]
+    assert cache_sim.slots_by_layer([narrow, wide], 16, n_exp) == [16, 16]  # every expert fits: nothing to move
     # at most every expert a layer; what no routing asks for is shared evenly among the others
-    assert planmod.slots_by_layer([narrow, narrow, wide], 12, n_exp) == [10, 10, 16]
+    assert cache_sim.slots_by_layer([narrow, narrow, wide], 12, n_exp) == [10, 10, 16]
     # and the hit rate of that split beats the even one on the same counts
     even = sum(sum(sorted(c, reverse=True)[:slots]) for c in (narrow, wide)) / sum(map(sum, (narrow, wide)))
     split = sum(sum(sorted(c, reverse=True)[:k]) for c, k in zip((narrow, wide), (4, 12))) / sum(map(sum, (narrow, wide)))
