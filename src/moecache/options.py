@@ -516,6 +516,20 @@ def setting_value(args: Sequence[str], environ: Mapping[str, str], flags: Iterab
     return default
 
 
+def switch_setting(args: Sequence[str], environ: Mapping[str, str], flags: Sequence[str], env: Iterable[str],
+                   default: bool) -> bool:
+    """An on/off setting as llama-server will read it: the last of its flags (flags[0] on, flags[1] off), else
+    its variable, else `default`."""
+    last = next((a for a in reversed(args) if a in flags), None)
+    if last is not None:
+        return last == flags[0]
+    for name in env:
+        word = environ.get(name, "").strip().lower()
+        if word:
+            return word in _TRUE_WORDS
+    return default
+
+
 def planned_args(plan_args: Sequence[str], rest: Sequence[str], environ: Mapping[str, str]) -> list[str]:
     """The plan's flags the user's own flags and environment leave open, in the plan's order."""
     out: list[str] = []

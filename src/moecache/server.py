@@ -32,7 +32,7 @@ from .options import (_FALSE_WORDS, _TRUE_WORDS, CACHE_SIZE_ENV, CACHE_SIZE_FLAG
                       EXPERT_PLACEMENT_ENV, EXPERT_PLACEMENT_FLAGS, HOST_ENV, HOST_FLAGS, METRICS_ENV, METRICS_FLAGS,
                       MODEL_ENV, MODEL_FLAGS, MOE_CACHE_OPTIONS, PARALLEL_ENV, PARALLEL_FLAGS, PLAN_SETTINGS, PORT_ENV,
                       PORT_FLAGS, REPACK_ENV, REPACK_FLAGS, UBATCH_ENV, UBATCH_FLAGS, _env_set, check_basic_settings,
-                      find_flag_value, has_flag, planned_args, setting_value, user_decides)
+                      find_flag_value, has_flag, planned_args, setting_value, switch_setting, user_decides)
 
 
 from .process import (DEFAULT_HOST, ServerError, ServerProcess, die_with_parent_hook, free_port,  # noqa: F401
@@ -267,20 +267,6 @@ def plan_request_from_args(model: str, rest: Sequence[str], environ: Mapping[str
 
 
 SLOTS_BY_LAYER_FLAGS = ("--moe-cache-slots-by-layer", "--no-moe-cache-slots-by-layer")
-
-
-def switch_setting(args: Sequence[str], environ: Mapping[str, str], flags: Sequence[str], env: Sequence[str],
-                   default: bool) -> bool:
-    """An on/off setting as llama-server will read it: the last of its flags (flags[0] on, flags[1] off), else
-    its variable, else `default`."""
-    last = next((a for a in reversed(args) if a in flags), None)
-    if last is not None:
-        return last == flags[0]
-    for name in env:
-        word = environ.get(name, "").strip().lower()
-        if word:
-            return word in _TRUE_WORDS
-    return default
 
 
 def moe_expert_count(model: str) -> int | None:
