@@ -31,15 +31,18 @@ def server_args(*args):
             "--cache-ram", "0", "-lv", "5", *args]
 
 
-def wait_generating(srv, id_slot, n_decoded, timeout=60.0):
-    """Until slot id_slot has decoded n_decoded tokens of its request."""
+def wait_generating(srv, id_slot, n_decoded, request, timeout=60.0):
+    """Until slot id_slot has decoded n_decoded tokens of its request (True), or the request has ended
+    before a poll saw it generating (False: a starved client can miss the whole of it)."""
     t_end = time.time() + timeout
     while time.time() < t_end:
         status, slots = srv.get("/slots")
         assert status == 200, slots
         slot = next(s for s in slots if s["id"] == id_slot)
         if slot.get("is_processing") and slot.get("next_token", [{}])[0].get("n_decoded", 0) >= n_decoded:
-            return
+            return True
+        if request.done():
+            return False
         time.sleep(0.01)
     raise AssertionError(f"slot {id_slot} did not decode {n_decoded} tokens in {timeout} s")
 
@@ -50,16 +53,19 @@ def still_generating(srv, id_slot):
     return bool(next(s for s in slots if s["id"] == id_slot).get("is_processing"))
 
 
-def prompt_beside_a_decoder(srv, tries=3):
+def prompt_beside_a_decoder(srv, tries=5):
     """The decoder on slot 0 and the long prompt on slot 1: each alone, then the prompt sent while the
     decoder generates. On a loaded 2-core machine the client can be starved long enough for the decoder to
-    finish before the prompt arrives; then nothing ran beside it and the pair is sent again."""
+    finish before a poll sees it or before the prompt arrives; then nothing ran beside it and the pair is
+    sent again."""
     dec_solo = complete(srv, PROMPTS[0], n_predict=N_DECODE, id_slot=0)
     long_solo = complete(srv, LONG, n_predict=8, id_slot=1)
     for _ in range(tries):
         with ThreadPoolExecutor(1) as pool:
             dec = pool.submit(complete, srv, PROMPTS[0], n_predict=N_DECODE, id_slot=0)
-            wait_generating(srv, 0, 4)
+            if not wait_generating(srv, 0, 4, dec):
+                dec.result()
+                continue
             long_beside = complete(srv, LONG, n_predict=8, id_slot=1)
             overlapped = still_generating(srv, 0)
             dec_beside = dec.result()
