@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 import re
+import time
 from pathlib import Path
 
 PROMPTS = [
@@ -31,6 +32,25 @@ def complete(srv, prompt, n_predict=32, **extra):
     status, out = srv.post("/completion", body, timeout=300)
     assert status == 200, out
     return out
+
+
+def wait_generating(srv, ended, id_slot=None, n_decoded=1, timeout=60.0) -> bool:
+    """Until slot id_slot (or any slot) has decoded n_decoded tokens of its request: True. False when
+    ended() says the request is over before a poll saw it generating: a client starved on a loaded 2-core
+    machine can miss the whole of a short request, and the caller sends it again."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, slots = srv.get("/slots")
+        assert status == 200, slots
+        for s in slots:
+            if id_slot is not None and s["id"] != id_slot:
+                continue
+            if s.get("is_processing") and s.get("next_token", [{}])[0].get("n_decoded", 0) >= n_decoded:
+                return True
+        if ended():
+            return False
+        time.sleep(0.01)
+    raise AssertionError(f"no slot decoded {n_decoded} tokens in {timeout} s")
 
 
 def slot_server_args(n_slots, *args, rpc_ports=()):

@@ -12,12 +12,13 @@ solo runs, their log-probabilities within the bound of other batch shapes.
 from __future__ import annotations
 
 import re
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from moe_cache_checks import PROMPTS, assert_refused, complete, max_logprob_diff, real_text, server_help
+from moe_cache_checks import (PROMPTS, assert_refused, complete, max_logprob_diff, real_text, server_help,
+                              wait_generating)
 from moecache.server import ServerProcess
 
 CHUNK = 32
@@ -29,22 +30,6 @@ STEP = re.compile(r"prefill chunk: (\d+) prompt tokens beside (\d+) generating s
 def server_args(*args):
     return ["-t", "2", "-c", "8192", "-np", "2", "-no-kvu", "-ngl", "99", "-b", "512", "-ub", "64",
             "--cache-ram", "0", "-lv", "5", *args]
-
-
-def wait_generating(srv, id_slot, n_decoded, request, timeout=60.0):
-    """Until slot id_slot has decoded n_decoded tokens of its request (True), or the request has ended
-    before a poll saw it generating (False: a starved client can miss the whole of it)."""
-    t_end = time.time() + timeout
-    while time.time() < t_end:
-        status, slots = srv.get("/slots")
-        assert status == 200, slots
-        slot = next(s for s in slots if s["id"] == id_slot)
-        if slot.get("is_processing") and slot.get("next_token", [{}])[0].get("n_decoded", 0) >= n_decoded:
-            return True
-        if request.done():
-            return False
-        time.sleep(0.01)
-    raise AssertionError(f"slot {id_slot} did not decode {n_decoded} tokens in {timeout} s")
 
 
 def still_generating(srv, id_slot):
@@ -63,7 +48,7 @@ def prompt_beside_a_decoder(srv, tries=5):
     for _ in range(tries):
         with ThreadPoolExecutor(1) as pool:
             dec = pool.submit(complete, srv, PROMPTS[0], n_predict=N_DECODE, id_slot=0)
-            if not wait_generating(srv, 0, 4, dec):
+            if not wait_generating(srv, dec.done, id_slot=0, n_decoded=4):
                 dec.result()
                 continue
             long_beside = complete(srv, LONG, n_predict=8, id_slot=1)
@@ -119,3 +104,32 @@ def test_the_variable_sets_it_and_a_bad_value_is_refused(tiny_model, llama_serve
 def test_the_flag_and_its_variable_are_in_the_help(llama_server_bin):
     text = server_help(llama_server_bin)
     assert "--prefill-chunk N" in text and "LLAMA_ARG_PREFILL_CHUNK" in text
+
+
+def test_a_client_starved_past_the_whole_decoder_sends_the_pair_again(tiny_model):
+    """CI's 2-core machine once starved the client until the decoder had ended unseen; the helper then
+    waited its 60 s out. Here the first poll of /slots is held until the pair's first decoder is done."""
+    with ServerProcess(tiny_model, args=server_args(), timeout=180) as srv:
+        get, post, polls, decoders = srv.get, srv.post, [], []
+        first_pair_decoder_done = threading.Event()
+
+        def counted_post(path, body, *args, **kwargs):
+            out = post(path, body, *args, **kwargs)
+            if body.get("n_predict") == N_DECODE:
+                decoders.append(out)
+                if len(decoders) == 2:  # the solo run, then the pair's
+                    first_pair_decoder_done.set()
+            return out
+
+        def starved_get(path, *args, **kwargs):
+            if path == "/slots":
+                polls.append(path)
+                if len(polls) == 1:
+                    assert first_pair_decoder_done.wait(120)
+            return get(path, *args, **kwargs)
+
+        srv.get, srv.post = starved_get, counted_post
+        (dec_solo, dec_beside), (long_solo, long_beside) = prompt_beside_a_decoder(srv)
+    assert len(decoders) >= 3 and len(polls) > 2
+    assert_same(dec_solo, dec_beside)
+    assert_same(long_solo, long_beside)

@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from moe_cache_checks import N_EXPERT, cache_stats, complete, host_context_mib, logprobs, server_help
+from moe_cache_checks import (N_EXPERT, cache_stats, complete, host_context_mib, logprobs, server_help,
+                              wait_generating)
 
 from moecache.server import ServerError, ServerProcess
 
@@ -180,21 +181,6 @@ def test_an_injected_banks_failure_after_a_partial_release_leaves_decode_without
     assert after["tokens"] == stock_big[2]["tokens"] and st3["last"]["n_slots"] == N_EXPERT // 2, st3
 
 
-def wait_generating(srv, thread, timeout=60.0):
-    """Until a slot has decoded a token (True), or the thread's request has ended before a poll saw it
-    generating (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status, slots = srv.get("/slots")
-        assert status == 200, slots
-        if any(s.get("is_processing") and s.get("next_token", [{}])[0].get("n_decoded", 0) > 0 for s in slots):
-            return True
-        if not thread.is_alive():
-            return False
-        time.sleep(0.01)
-    raise AssertionError(f"no slot generated in {timeout} s")
-
-
 def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bin):
     """-np 2: a long prompt arriving while the other slot generates runs at -ub (no decode step waits
     for a transition), with the same output as alone; alone, it swaps."""
@@ -212,7 +198,7 @@ def test_the_swap_waits_while_another_slot_generates(tiny_model, llama_server_bi
 
             t = threading.Thread(target=generate)
             t.start()
-            if wait_generating(srv, t):
+            if wait_generating(srv, lambda: not t.is_alive()):
                 break
             t.join()
         during = complete(srv, LONG, n_predict=8)
